@@ -1,0 +1,131 @@
+"""The contracts the autonomous components meet through (DESIGN §3): engines, envs and losses.
+
+Core code depends on these and never on a concrete env or loss; configs name implementations by dotted path or by a
+registry short name (`astratk.registry`).
+
+Extending:
+- an engine implements `Engine` (async `generate`, `load_weights`, `version`, `tokenizer`);
+- an env subclasses `Env` (`tasks`, async `rollout`, `score`) and names roles, never policies;
+- a loss subclasses `PolicyLoss`; its constructor is its config, `__call__` returns per-token losses already multiplied
+  by the effective mask it returns. Aggregation over tokens happens once, in the trainer (`astratk.training.aggregation`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from astratk.records import Task, Trajectory
+
+# --------------------------------------------------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. temperature 0 means greedy (log-probs then come from the untempered softmax)."""
+
+    temperature: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_k_logprobs: int = 0  # reserved for DPPO's Top-K divergences (issue 3)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]  # log mu(token) of the distribution actually sampled (temperature applied)
+    versions: tuple[int, ...]  # weight version that produced each token
+    finish_reason: Literal["stop", "length"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One model at one weight version. Concurrent `generate` calls are merged into batches by the engine."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------------------ envs
+
+
+class Env(abc.ABC):
+    """What an agent does and how it is scored. An env names roles; `PolicySpec.routes` maps them to policies.
+
+    `rollout` returns one trajectory per role for one episode; the rollout service runs `group_size` episodes of a
+    task concurrently (their generate calls share the engine's batches) and assembles the group. `sampling` carries
+    the run's temperature, token budget and seed; the env adds its stop tokens. `score` runs on CPU, possibly in
+    another process, and returns one reward per trajectory (None = could not score; counted and dropped).
+    """
+
+    name: str = "env"
+    roles: tuple[str, ...] = ("policy",)
+
+    @abc.abstractmethod
+    def tasks(self, split: str) -> Iterable[Task]:
+        """`train`: a deterministic stream (may be endless); `heldout`: a fixed, finite list disjoint from train."""
+
+    @abc.abstractmethod
+    async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
+                      policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]: ...
+
+    @abc.abstractmethod
+    def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]: ...
+
+    def demonstration(self, task: Task) -> str:
+        """A reference completion for supervised warm starts; envs without one raise."""
+        raise NotImplementedError(f"env {self.name!r} has no demonstrations; give model.path instead of a warm start")
+
+
+# ---------------------------------------------------------------------------------------------------------- losses
+
+
+@dataclass
+class LossInputs:
+    """Everything a policy loss may use, per token, aligned as `TrainBatch` documents."""
+
+    logprobs: torch.Tensor  # [B, T] log pi (requires grad), at the rollout temperature
+    behavior_logprobs: torch.Tensor  # [B, T] log mu from the engine that sampled
+    advantages: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] 1 on policy-produced completion tokens
+    weights: torch.Tensor | None = None  # [B, T] per-token weights from serving stages (staleness decay...)
+
+
+@dataclass
+class LossOutputs:
+    token_losses: torch.Tensor  # [B, T] per-token loss to minimise, already multiplied by `mask`
+    mask: torch.Tensor  # [B, T] effective mask: the tokens that count in the aggregation denominator
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalar diagnostics, detached
+
+
+class PolicyLoss(abc.ABC):
+    """A policy loss. `required_aggregation` is None unless the loss only makes sense with one mode (GSPO)."""
+
+    required_aggregation: str | None = None
+
+    @abc.abstractmethod
+    def __call__(self, inputs: LossInputs) -> LossOutputs: ...

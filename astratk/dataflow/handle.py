@@ -1,0 +1,66 @@
+"""`DataLayerHandle`: one way to talk to a `DataLayer`, whether it is a Dask actor or an in-process object.
+
+Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side polling, so the
+actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods one at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from astratk.records import Group
+
+
+class DataLayerHandle:
+    """Wraps a `DataLayer` or a `distributed.Actor` of one; picklable when it wraps an actor."""
+
+    def __init__(self, target: Any, call_timeout_s: float = 60.0) -> None:
+        self.target = target
+        self.call_timeout_s = call_timeout_s
+        self.is_actor = type(target).__name__ == "Actor"
+        # An in-process DataLayer is shared by the trainer, acquisition and admit threads: serialise calls, as the
+        # actor does.
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not self.is_actor:
+            raise TypeError("an in-process DataLayer cannot cross processes; start it as an actor (astratk.runtime)")
+        return {"target": self.target, "call_timeout_s": self.call_timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["target"], state["call_timeout_s"])  # type: ignore[misc]
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        timeout = self.call_timeout_s if timeout is None else timeout
+        if not self.is_actor:
+            with self._lock:
+                return getattr(self.target, method)(*args, **kwargs)
+        future = getattr(self.target, method)(*args, **kwargs)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(f"data layer call {method}() got no answer in {timeout:.0f}s; is the control worker "
+                               "alive? (the data-layer actor dies with its worker)") from None
+
+    def wait_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1, *,
+                   timeout: float = 300.0, poll_s: float = 0.02, stop: threading.Event | None = None
+                   ) -> list[Group] | None:
+        """Poll `next_batch` until it is ready. Returns None only if `stop` is set; raises TimeoutError naming the
+        wait (and the data layer's counters, to show where samples went) after `timeout` seconds."""
+        start = time.monotonic()
+        delay = poll_s
+        while True:
+            groups = self.call("next_batch", policy_id, step, rank, world_size)
+            if groups is not None:
+                return groups
+            if stop is not None and stop.is_set():
+                return None
+            waited = time.monotonic() - start
+            if waited > timeout:
+                status = self.call("status")
+                raise TimeoutError(f"waited {waited:.0f}s for policy {policy_id!r} step {step} batch (rank {rank}/"
+                                   f"{world_size}); rollouts did not fill the buffer. Data layer: {status}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.25)

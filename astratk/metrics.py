@@ -1,0 +1,93 @@
+"""Run metrics as one `xarray.Dataset` (DESIGN §5): training steps, held-out evaluations and data-layer counters.
+
+Layout (every variable has a `policy` dimension, so multi-policy runs share one dataset):
+- dims `(policy, step)`: per-step trainer metrics, e.g. `train_reward_mean`, `train_loss`, `loss_ratio_mean`,
+  `train_time_s` (seconds since training started), `train_data_wait_s`;
+- dims `(policy, eval)`: `eval_accuracy`, `eval_version`, `eval_train_time_s` (training time at which the evaluated
+  weights were published);
+- dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, ...
+Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{name}"`.
+
+`import astratk.viz` registers the `.astra` accessor (dashboards) on these datasets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+
+def _split(key: str, policies: Sequence[str]) -> tuple[str | None, str]:
+    """'train/main/loss/ratio_mean' -> ('main', 'loss_ratio_mean'); 'data/leases_issued' -> (None, ...)."""
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[1] in policies:
+        rest = parts[2:]
+        if rest[0] == "loss":  # loss diagnostics read better without the component prefix
+            return parts[1], "_".join(rest)
+        return parts[1], "_".join([parts[0], *rest])
+    return None, "_".join(parts)
+
+
+def _table(rows_by_policy: Mapping[str, Sequence[Mapping[str, float]]], dim: str, prefix: str | None,
+           policies: Sequence[str]) -> dict[str, Any]:
+    length = max((len(r) for r in rows_by_policy.values()), default=0)
+    data: dict[str, np.ndarray] = {}
+    for i, pid in enumerate(policies):
+        for j, row in enumerate(rows_by_policy.get(pid, ())):
+            for key, value in row.items():
+                owner, name = _split(key, policies)
+                if prefix is not None:
+                    owner, name = pid, f"{prefix}_{key}"
+                if owner != pid:
+                    continue
+                arr = data.setdefault(name, np.full((len(policies), length), np.nan))
+                arr[i, j] = float(value)
+    return {name: (("policy", dim), arr) for name, arr in data.items()}
+
+
+def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[str, float]]],
+                  evals: Mapping[str, Sequence[Mapping[str, float]]], counters: Mapping[str, float],
+                  attrs: Mapping[str, Any] | None = None) -> xr.Dataset:
+    policies = list(policies)
+    variables = _table(steps, "step", None, policies)
+    variables.update(_table(evals, "eval", "eval", policies))
+    scalars: dict[str, np.ndarray] = {}
+    run_level: dict[str, float] = {}
+    for key, value in counters.items():
+        owner, name = _split(key, policies)
+        if owner is None:
+            run_level[name] = float(value)
+            continue
+        scalars.setdefault(name, np.full(len(policies), np.nan))[policies.index(owner)] = float(value)
+    variables.update({name: (("policy",), arr) for name, arr in scalars.items()})
+    clean_attrs = {k: _attr(v) for k, v in (attrs or {}).items()}
+    clean_attrs.update({f"counter_{k}": v for k, v in run_level.items()})
+    n_steps = max((len(r) for r in steps.values()), default=0)
+    n_evals = max((len(r) for r in evals.values()), default=0)
+    return xr.Dataset(variables, coords={"policy": policies, "step": np.arange(n_steps),
+                                         "eval": np.arange(n_evals)}, attrs=clean_attrs)
+
+
+def _attr(v: Any) -> Any:
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (int, float, str)):
+        return v if not (isinstance(v, float) and math.isnan(v)) else "nan"
+    return str(v)
+
+
+def save(ds: xr.Dataset, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.to_netcdf(path, engine="h5netcdf")
+    return path
+
+
+def load(path: str | Path) -> xr.Dataset:
+    with xr.open_dataset(path, engine="h5netcdf") as ds:
+        return ds.load()

@@ -1,0 +1,140 @@
+"""The small, typed records that cross component boundaries (DESIGN §2).
+
+Only these records and `WeightRef`s cross Dask's scheduler; tensors move through the weight store or are built by the
+trainer (`TrainBatch` is collated trainer-side from the groups the data layer serves). Token sequences are plain
+tuples of ints so records pickle small and compare by value.
+
+Extending: add a field with a default at the end, so records pickled by an older worker still load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Split = Literal["train", "heldout"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem an env can roll out. `info` holds what scoring needs (the answer, unit tests, corpus ids...)."""
+
+    task_id: str
+    env: str
+    prompt: str
+    info: dict[str, Any] = field(default_factory=dict)
+    split: Split = "train"
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One (episode, role): the tokens a policy saw and produced, and how the engine sampled them.
+
+    `loss_mask`, `behavior_logprobs` and `behavior_versions` cover the completion, i.e. have length
+    `len(tokens) - n_prompt`. Tokens the policy did not produce (tool or environment output in a multi-turn episode)
+    have loss_mask 0, behaviour log-prob 0.0 and version -1.
+    """
+
+    task_id: str
+    group_id: str
+    policy_id: str
+    role: str
+    tokens: tuple[int, ...]
+    n_prompt: int
+    loss_mask: tuple[int, ...]
+    behavior_logprobs: tuple[float, ...]  # engine log-probs at the sampling temperature
+    behavior_versions: tuple[int, ...]  # weight version that produced each completion token; -1 for env tokens
+    reward: float | None = None
+    finished: bool = True  # False when the completion hit its token budget
+    service: str = ""  # the rollout service (worker) that produced it
+    metrics: dict[str, float] = field(default_factory=dict)
+    text: str = ""  # the completion as the env decoded it (graders read this; envs own tokenizers)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens) - self.n_prompt
+        if n < 0:
+            raise ValueError(f"trajectory {self.group_id}: n_prompt={self.n_prompt} > len(tokens)={len(self.tokens)}")
+        for name in ("loss_mask", "behavior_logprobs", "behavior_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"trajectory {self.group_id}: len({name})={len(getattr(self, name))} must equal the completion "
+                    f"length len(tokens) - n_prompt = {n}"
+                )
+
+    @property
+    def completion(self) -> tuple[int, ...]:
+        return self.tokens[self.n_prompt :]
+
+    @property
+    def version(self) -> int:
+        """Lowest weight version on any policy-produced token (-1 if the policy produced none)."""
+        produced = [v for v, m in zip(self.behavior_versions, self.loss_mask) if m]
+        return min(produced) if produced else -1
+
+    def with_reward(self, reward: float) -> Trajectory:
+        return dataclasses.replace(self, reward=float(reward))
+
+
+@dataclass(frozen=True)
+class Group:
+    """The unit of admission, filtering, staleness, replay and batching: one role's samples for one task.
+
+    Advantages are fixed at admission (one per trajectory, broadcast over its completion tokens by the collate).
+    """
+
+    group_id: str
+    task: Task
+    policy_id: str
+    trajectories: tuple[Trajectory, ...]
+    advantages: tuple[float, ...] | None = None
+
+    @property
+    def version(self) -> int:
+        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness semantics)."""
+        versions = [t.version for t in self.trajectories if t.version >= 0]
+        return min(versions) if versions else -1
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        if any(t.reward is None for t in self.trajectories):
+            raise ValueError(f"group {self.group_id} has unscored trajectories; run the env's score() first")
+        return tuple(float(t.reward) for t in self.trajectories)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A published weight version: small and picklable; the tensors stay in the weight store."""
+
+    policy_id: str
+    version: int
+    uri: str
+    kind: Literal["full", "delta"] = "full"
+    base_version: int | None = None
+    nbytes: int = 0
+    checksum: str = ""
+    published_at: float = 0.0  # time.time() at publication
+
+
+@dataclass
+class TrainBatch:
+    """Padded tensors for one rank's share of one optimiser step. Built by the trainer's collate, never shipped.
+
+    Position t of every [B, T] tensor describes the prediction of `input_ids[:, t + 1]` from `input_ids[:, : t + 1]`,
+    so the trainer's log-probs line up with them directly (T = longest sequence - 1).
+    """
+
+    input_ids: torch.Tensor  # [B, T+1] int64, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T+1] int64, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] float32, 1 on policy-produced completion tokens
+    behavior_logprobs: torch.Tensor  # [B, T] float32, engine log-probs at the sampling temperature, 0 elsewhere
+    advantages: torch.Tensor  # [B, T] float32, trajectory advantage broadcast over its completion tokens
+    weights: torch.Tensor  # [B, T] float32, per-token sample weights from serving stages (1 by default)
+    versions: torch.Tensor  # [B, T] int64, behaviour version per token, -1 off the completion
+    n_groups: int = 0
+    rewards: torch.Tensor | None = None  # [B] float32
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])

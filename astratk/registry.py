@@ -1,0 +1,55 @@
+"""Short names for plug-ins: explicit dicts of short name -> dotted path (STYLE rule 4).
+
+A config may name a plug-in by short name (`drpo`) or by any dotted path (`mypkg.losses.MyLoss`). Adding a built-in
+is one line here; user code never needs to register anything, it just uses its dotted path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+REGISTRY: dict[str, dict[str, str]] = {
+    "loss": {
+        "drpo": "astratk.losses.drpo.DRPO",
+        "ppo_clip": "astratk.losses.ppo_clip.PPOClip",
+        "grpo": "astratk.losses.ppo_clip.PPOClip",
+    },
+    "env": {
+        "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",
+    },
+    "engine": {
+        "torch": "astratk.engines.torch_engine.TorchEngine",
+        "scripted": "astratk.engines.scripted.ScriptedEngine",
+    },
+}
+
+
+def resolve_path(kind: str, name: str) -> str:
+    """Short name -> dotted path; a dotted path passes through; anything else raises with the choices."""
+    table = REGISTRY.get(kind)
+    if table is None:
+        raise ValueError(f"unknown plug-in kind {kind!r}; choose one of {sorted(REGISTRY)}")
+    if name in table:
+        return table[name]
+    if "." in name:
+        return name
+    raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)} or give a dotted path 'pkg.module.Class'")
+
+
+def import_object(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{path!r} is not a dotted path 'pkg.module.Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import module {module_name!r} for {path!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+
+
+def resolve(kind: str, name: str) -> Any:
+    return import_object(resolve_path(kind, name))

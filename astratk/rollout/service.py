@@ -1,0 +1,174 @@
+"""The rollout service (AstraFlow's RaaS): one per worker process, hosting the engines of the policies it serves.
+
+A service is created lazily by the first rollout task that reaches its process (so a worker that joins mid-run needs
+no setup step) and lives as long as the process. At the start of every task it syncs each engine to the newest
+published weights (pull-based, from the weight store); a joining worker therefore catches up before its first
+generation. It runs `group_size` episodes per task concurrently, so their generate calls share engine batches.
+
+Extending: engines come from `astratk.registry` by `RolloutSpec.engine`; envs from the run's `env` spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.dataflow.datalayer import Lease
+from astratk.records import Group, Task, Trajectory
+from astratk.registry import resolve
+from astratk.spec import RunSpec
+from astratk.weights.store import WeightStore
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a worker needs to serve a run: small and picklable, passed with every task."""
+
+    run_id: str
+    spec: RunSpec
+    model_paths: dict[str, str]  # policy_id -> HF model dir (version 0)
+    store_url: str
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    lease_id: str
+    groups: tuple[Group, ...]
+    seconds: float
+    service: str
+
+
+_SERVICES: dict[str, RolloutService] = {}
+_SERVICES_LOCK = threading.Lock()
+
+
+def get_service(ctx: RunContext) -> RolloutService:
+    """The process-wide service for this run, created on first use."""
+    with _SERVICES_LOCK:
+        service = _SERVICES.get(ctx.run_id)
+        if service is None:
+            service = _SERVICES[ctx.run_id] = RolloutService(ctx)
+        return service
+
+
+def _service_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().name
+    except (ImportError, ValueError):
+        return f"pid{os.getpid()}"
+
+
+class RolloutService:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.spec = ctx.spec
+        torch.set_num_threads(self.spec.cluster.torch_threads)
+        self.env: Env = self.spec.env
+        self.store = WeightStore(ctx.store_url)
+        self.name = _service_name()
+        self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine
+        self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
+
+    def engine(self, policy_id: str, purpose: str = "rollout") -> Engine:
+        key = (purpose, policy_id)
+        if key not in self._engines:
+            cls = resolve("engine", self.spec.rollout.engine)
+            self._engines[key] = cls(self.ctx.model_paths[policy_id], max_batch=self.spec.rollout.max_batch)
+        return self._engines[key]
+
+    def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:
+        """Move the engine to `version` (default: the newest published); returns the engine's version after.
+
+        An engine never moves back on its own: only an explicit `version` (evaluation) loads an older one."""
+        engine = self.engine(policy_id, purpose)
+        with self._lock:
+            if version is None:
+                ref = self.store.latest(policy_id)
+                if ref is None or ref.version <= engine.version:
+                    return engine.version
+            elif version == engine.version:
+                return version
+            else:
+                ref = self.store.ref(policy_id, version)
+            engine.load_weights(self.store.fetch(ref), ref.version)
+        return engine.version
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def rollout(self, leases: Sequence[Lease]) -> list[LeaseResult]:
+        policies = sorted({p for lease in leases for p in lease.routes.values()})
+        for pid in policies:
+            self.sync(pid)
+        return asyncio.run(self._rollout_all(leases))
+
+    async def _rollout_all(self, leases: Sequence[Lease]) -> list[LeaseResult]:
+        return list(await asyncio.gather(*(self._rollout_lease(lease) for lease in leases)))
+
+    async def _rollout_lease(self, lease: Lease) -> LeaseResult:
+        start = time.perf_counter()
+        r = self.spec.rollout
+        engines = {role: self.engine(pid) for role, pid in lease.routes.items()}
+        episodes = await asyncio.gather(*(
+            self.env.rollout(lease.task, engines, SamplingParams(temperature=r.temperature,
+                                                                 max_tokens=r.max_new_tokens),
+                             policy_ids=lease.routes, group_id=f"{lease.lease_id}/{i}")
+            for i in range(r.group_size)))
+        groups = _groups_by_role(lease, [t for episode in episodes for t in episode], self.name)
+        return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, self.name)
+
+    def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
+        import dataclasses
+
+        out = []
+        for res in results:
+            groups = []
+            for g in res.groups:
+                rewards = self.env.score(g.task, g.trajectories)
+                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(g.trajectories, rewards))
+                groups.append(dataclasses.replace(g, trajectories=trajs))
+            out.append(dataclasses.replace(res, groups=tuple(groups)))
+        return out
+
+    # --------------------------------------------------------------------------------------------- evaluate
+    def evaluate(self, policy_id: str, version: int | None, max_tasks: int) -> dict[str, float]:
+        """Greedy held-out accuracy of `policy_id` at `version` (default newest), on a separate eval engine so
+        rollouts keep their own version."""
+        start = time.perf_counter()
+        version = self.sync(policy_id, "eval", version)
+        tasks = list(self.env.tasks("heldout"))[:max_tasks]
+        engine = self.engine(policy_id, "eval")
+        routes = {role: policy_id for role in self.env.roles}
+        sampling = SamplingParams(temperature=0.0, max_tokens=self.spec.rollout.max_new_tokens)
+
+        async def one(task: Task) -> list[Trajectory]:
+            return await self.env.rollout(task, {r: engine for r in routes}, sampling, policy_ids=routes,
+                                          group_id=f"eval/{task.task_id}")
+
+        async def run_all() -> list[list[Trajectory]]:
+            return list(await asyncio.gather(*(one(t) for t in tasks)))
+
+        episodes = asyncio.run(run_all())
+        rewards = []
+        for task, trajs in zip(tasks, episodes):
+            scores = [s for s in self.env.score(task, trajs) if s is not None]
+            rewards.append(sum(scores) / len(scores) if scores else 0.0)
+        return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
+                "n": float(len(rewards)), "seconds": time.perf_counter() - start}
+
+
+def _groups_by_role(lease: Lease, trajectories: list[Trajectory], service: str) -> tuple[Group, ...]:
+    import dataclasses
+
+    by_role: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_role.setdefault(t.role, []).append(dataclasses.replace(t, service=service))
+    return tuple(Group(group_id=f"{lease.lease_id}/{role}", task=lease.task, policy_id=lease.routes[role],
+                       trajectories=tuple(ts)) for role, ts in sorted(by_role.items()))

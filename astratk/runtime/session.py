@@ -1,0 +1,174 @@
+"""`Session`: the live parts of a local run (models, cluster, deployment, evaluator, trainer), torn down on exit.
+
+`train()` reads like the data path: evaluate v0, start acquisition and periodic evaluation, fit the trainer, stop,
+evaluate the last version, summarise. Multi-policy runs (one trainer process per policy) arrive with issue 7.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from astratk.spec import RunSpec
+
+TARGET_GAIN = 0.15  # the quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it
+
+
+class Session:
+    def __init__(self, spec: RunSpec, run_dir: Path, printer: Callable[[str], None]) -> None:
+        if len(spec.policies) != 1:
+            raise ValueError(f"policies: a local Run trains one policy for now (got {len(spec.policies)}); "
+                             "multi-policy runs arrive with `astratk deploy` + one trainer per policy (issue 7)")
+        self.spec = spec
+        self.run_dir = run_dir
+        self.print = printer
+        self.policy = spec.policies[0]
+        self.step_rows: dict[str, list[dict[str, float]]] = {}
+        self.eval_rows: dict[str, list[dict[str, float]]] = {}
+        self.counters: dict[str, float] = {}
+        self._closers: list[Callable[[], Any]] = []
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def __enter__(self) -> Session:
+        from distributed import Client
+
+        from astratk.models import ensure_model
+        from astratk.rollout.service import RunContext
+        from astratk.runtime.cluster import start_local_cluster
+        from astratk.runtime.deploy import deploy, publish_initial
+        from astratk.runtime.evaluation import Evaluator
+        from astratk.weights.store import WeightStore
+
+        spec, pid = self.spec, self.policy.policy_id
+        t = time.perf_counter()
+        self.model_path = str(ensure_model(self.policy.model, spec.env, log=self.print))
+        self.print(f"model for {pid!r}: {self.model_path} ({time.perf_counter() - t:.0f}s)")
+        torch.set_num_threads(spec.cluster.torch_threads)
+        store_url = str(self.run_dir / "weights")
+        publish_initial(WeightStore(store_url), pid, self.model_path)
+        t = time.perf_counter()
+        if spec.cluster.scheduler_address:
+            self.client = Client(spec.cluster.scheduler_address, timeout=spec.cluster.startup_timeout_s)
+        else:
+            cluster = start_local_cluster(spec)
+            self._closers.append(cluster.close)
+            self.client = Client(cluster)
+        self._closers.insert(0, self.client.close)
+        ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=spec, model_paths={pid: self.model_path},
+                         store_url=store_url)
+        self.deployment = deploy(ctx, self.client, timeout_s=spec.cluster.startup_timeout_s)
+        self._closers.insert(0, self.deployment.stop)
+        self.print(f"cluster up with {len(self.client.scheduler_info()['workers'])} workers "
+                   f"({time.perf_counter() - t:.0f}s); dashboard: {self.client.dashboard_link if spec.cluster.dashboard else 'off'}")
+        self.evaluator = Evaluator(self.client, ctx, pid, self.deployment.store)
+        self.evaluator.on_record = self._print_eval
+        self._closers.insert(0, self.evaluator.stop)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for close in self._closers:
+            try:
+                close()
+            except Exception as e:  # teardown must run to the end; report what failed
+                self.print(f"while shutting down: {e!r}")
+
+    def _print_eval(self, r: dict[str, float]) -> None:
+        when = f" (weights published at {r['train_time_s']:.0f}s)" if r["train_time_s"] == r["train_time_s"] else ""
+        self.print(f"held-out accuracy v{int(r['version'])}: {r['accuracy']:.3f} on {int(r['n'])} tasks{when}")
+
+    # ------------------------------------------------------------------------------------------------- train
+    def train(self) -> dict[str, Any]:
+        pid = self.policy.policy_id
+        self.print(f"evaluating the warm-start model (v0) on the held-out split...")
+        base = self.evaluator.evaluate(0)
+        trainer, module, stream, recorder = self._build_trainer()
+        t0 = time.time()
+        self.evaluator.train_t0 = t0
+        self.evaluator.start()
+        try:
+            trainer.fit(module, datamodule=self._datamodule)
+        finally:
+            train_time = time.time() - t0
+            self.evaluator.stop()
+            self.deployment.acquisition.stop()
+        final = self.evaluator.evaluate()
+        self.step_rows[pid] = recorder.rows
+        self.eval_rows[pid] = sorted(self.evaluator.records, key=lambda r: (r["version"], r["evaluated_at"]))
+        self.counters = {**self.deployment.datalayer.call("metrics"),
+                         **{f"acquisition/{pid}/{k.split('/', 1)[1]}": v
+                            for k, v in self.deployment.acquisition.counts.items()}}
+        if self.deployment.acquisition.errors:
+            self.print(f"{len(self.deployment.acquisition.errors)} rollout chunk(s) failed; first: "
+                       f"{self.deployment.acquisition.errors[0]}")
+        return self._summary(base, final, train_time, recorder, stream)
+
+    def _build_trainer(self) -> tuple[Any, Any, Any, Any]:
+        import lightning.pytorch as pl
+        from lightning.pytorch.loggers import CSVLogger
+        from transformers import AutoTokenizer
+
+        from astratk.training.data import GroupStream, RolloutDataModule
+        from astratk.training.module import PolicyModule
+        from astratk.training.publish import WeightPublisher
+        from astratk.training.recorder import ProgressPrinter, StepRecorder
+
+        spec, p = self.spec, self.policy
+        ts = p.trainer
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._stop = threading.Event()
+        stream = GroupStream(self.deployment.datalayer, p.policy_id, tokenizer.pad_token_id,
+                             max_steps=ts.max_steps, timeout_s=ts.batch_timeout_s, stop=self._stop)
+        self._datamodule = RolloutDataModule(stream)
+        module = PolicyModule(self.model_path, p.loss, policy_id=p.policy_id,
+                              lr=ts.lr, weight_decay=ts.weight_decay, temperature=spec.rollout.temperature,
+                              aggregation=ts.aggregation, horizon=ts.horizon or spec.rollout.max_new_tokens)
+        recorder = StepRecorder(stream)
+        callbacks = [WeightPublisher(self.deployment.store, self.deployment.datalayer, p.policy_id,
+                                     ts.publish_every), recorder]
+        if spec.progress:
+            callbacks.append(ProgressPrinter(recorder, self._status, printer=self.print))
+        max_time = datetime.timedelta(seconds=ts.max_time_s) if ts.max_time_s else None
+        trainer = pl.Trainer(max_steps=ts.max_steps, max_time=max_time, accelerator="cpu", devices=1,
+                             logger=CSVLogger(self.run_dir, name="lightning"), callbacks=callbacks,
+                             gradient_clip_val=ts.grad_clip or None, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                             log_every_n_steps=1)
+        return trainer, module, stream, recorder
+
+    def _status(self) -> str:
+        evals = [r for r in self.evaluator.records if r.get("accuracy") == r.get("accuracy")]
+        acc = f"acc {evals[-1]['accuracy']:.3f}@v{int(evals[-1]['version'])}" if evals else ""
+        m = self.deployment.datalayer.call("metrics")
+        pid = self.policy.policy_id
+        return (f"{acc}  buffer {m.get(f'data/{pid}/buffer_groups', 0):.0f}  "
+                f"stale-drop {m.get(f'data/{pid}/groups_dropped_stale', 0):.0f}  "
+                f"zero-var {m.get(f'data/{pid}/groups_dropped_zero_variance', 0):.0f}")
+
+    def _summary(self, base: dict[str, float], final: dict[str, float], train_time: float, recorder: Any,
+                 stream: Any) -> dict[str, Any]:
+        evals = [r for r in self.evaluator.records if r.get("accuracy") == r.get("accuracy")]
+        reached = sorted((r for r in evals if r["version"] > 0 and r["accuracy"] >= base["accuracy"] + TARGET_GAIN),
+                         key=lambda r: r["train_time_s"])
+        return {
+            "policy_id": self.policy.policy_id,
+            "model_path": self.model_path,
+            "accuracy_before": base["accuracy"],
+            "accuracy_after": final["accuracy"],
+            "accuracy_best": max(r["accuracy"] for r in evals),
+            "accuracy_gain": final["accuracy"] - base["accuracy"],
+            "target_gain": TARGET_GAIN,
+            "time_to_target_s": reached[0]["train_time_s"] if reached else None,
+            "final_version": int(final["version"]),
+            "steps": len(recorder.rows),
+            "train_time_s": train_time,
+            "data_wait_s": stream.total_wait_s,
+            "data_wait_fraction": stream.total_wait_s / max(train_time, 1e-9),
+            "n_heldout": int(base["n"]),
+        }

@@ -1,0 +1,1 @@
+"""Trainer side: Lightning module, data module, weight-publish callback, aggregation."""

@@ -1,0 +1,37 @@
+"""`WeightPublisher`: every k optimiser steps, publish the policy's weights and tell the data layer.
+
+The trainer blocks only while it copies the weights out and writes them to the store (a local file for the tiny
+model); rollout services pull them at their next safe point (DESIGN §4 step 6).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from astratk.dataflow.handle import DataLayerHandle
+from astratk.records import WeightRef
+from astratk.weights.store import WeightStore
+
+
+class WeightPublisher(pl.Callback):
+    def __init__(self, store: WeightStore, datalayer: DataLayerHandle, policy_id: str, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"publish every must be >= 1 step, got {every}")
+        self.store = store
+        self.datalayer = datalayer
+        self.policy_id = policy_id
+        self.every = every
+        self.refs: list[WeightRef] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
+                           ) -> None:
+        if trainer.global_step % self.every == 0:
+            self.publish(pl_module)
+
+    def publish(self, pl_module: pl.LightningModule) -> WeightRef:
+        version = pl_module.policy_version + 1
+        ref = self.store.publish(self.policy_id, version, pl_module.weights())
+        self.datalayer.call("publish_version", ref)
+        pl_module.policy_version = version
+        self.refs.append(ref)
+        return ref

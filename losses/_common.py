@@ -1,0 +1,42 @@
+"""Ratio math shared by the losses (kept tiny on purpose: STYLE rule 13 allows sharing a line of ratio math)."""
+
+from __future__ import annotations
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0  # ALGORITHMS notation: clamp log r to [-20, 20] before exp
+
+
+def sanitize(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Zero the masked-out positions, so garbage there (NaN, -inf padding) reaches neither the loss nor the gradient.
+
+    `masked_fill` has zero gradient at the filled positions; multiplying by the mask afterwards would not be enough
+    (NaN * 0 = NaN, in the forward and in the backward).
+    """
+    return x.masked_fill(~valid, 0.0)
+
+
+def log_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
+    """log r = clamp(log pi - log mu, -20, 20), with mu detached (the rollout anchor, ALGORITHMS §1)."""
+    return (logprobs - behavior_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def k3_kl(log_r: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(mu || pi): (r - 1) - log r >= 0."""
+    return torch.expm1(log_r) - log_r
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Detached mean over mask tokens; 0 (not NaN) for an all-zero mask."""
+    x, mask = x.detach(), mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Detached max over valid tokens; 0 for none (torch.where, not `if`, so no host sync on GPU)."""
+    x = x.detach()
+    return torch.where(valid.any(), x.masked_fill(~valid, float("-inf")).max(), x.new_zeros(()))
+
+
+def masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return -masked_max(-x, valid)

@@ -1,0 +1,11 @@
+"""Shared fixtures. Every test process uses one torch thread (2-core machines oversubscribe otherwise)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
