@@ -27,7 +27,7 @@ def parser() -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     p = ArgumentParser(prog="astratk run", description="Run a whole local astratk job (see README).",
-                       default_meta=False, exit_on_error=False)
+                       exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="a RunSpec YAML file (tutorials/quickstart.yaml)")
     p.add_class_arguments(RunSpec, None)
     return p

@@ -65,6 +65,8 @@ class PolicyModule(pl.LightningModule):
             "staleness_mean": staleness,
             "staleness_max": ((self.policy_version - batch.versions) * mask).max().clamp_min(0),
             "policy_version": torch.tensor(float(self.policy_version)),
+            "behavior_version_min": batch.versions.masked_fill(mask == 0, 2**62).min().float(),
+            "behavior_version_max": batch.versions.masked_fill(mask == 0, -1).max().float(),
         }
         metrics.update({f"loss/{k}": v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                         for k, v in loss_metrics.items()})

@@ -1,0 +1,93 @@
+"""`ScriptedEngine`: a deterministic `Engine` for tests. It returns scripted tokens instantly, with fixed log-probs.
+
+Why it exists (STYLE rule 8): envs, rollout services and the data path are tested against it on a laptop CPU in
+milliseconds, with completions chosen by the test rather than by a random model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from astratk.contracts import Completion, GenerationRequest, SamplingParams
+
+Script = Callable[[tuple[int, ...], SamplingParams], Sequence[int]] | Sequence[Sequence[int]]
+
+
+class ScriptedEngine:
+    """Completions from a script: `script(prompt_ids, params) -> token ids`, or a list of token lists used in turn.
+
+    A completion is cut after its first stop token, then to `max_tokens`; `finish_reason` is "stop" when its last
+    token is one of the request's stop tokens, else "length". Every token gets log-prob `logprob` and the engine's
+    current version. `load_weights` only records what it was given (`loads`: (version, sorted names) per call).
+
+    Example:
+        >>> engine = ScriptedEngine(None, [[5, 6, 7]])
+        >>> import asyncio
+        >>> [c] = asyncio.run(engine.generate([GenerationRequest((1, 2), SamplingParams(stop_token_ids=(6,)))]))
+        >>> c.token_ids, c.finish_reason
+        ((5, 6), 'stop')
+    """
+
+    def __init__(self, tokenizer: Any = None, script: Script = ((0,),), *, logprob: float = math.log(0.5),
+                 version: int = 0) -> None:
+        if callable(script):
+            self._script = script
+        else:
+            outputs = [tuple(tokens) for tokens in script]
+            if not outputs:
+                raise ValueError("script is an empty list; give at least one token list, or a callable")
+            turns, lock = itertools.cycle(outputs), threading.Lock()
+
+            def cycled(prompt_ids: tuple[int, ...], params: SamplingParams) -> tuple[int, ...]:
+                with lock:  # calls may come from several threads
+                    return next(turns)
+
+            self._script = cycled
+        self._tokenizer = tokenizer
+        self._logprob = float(logprob)
+        self._version = version
+        self.loads: list[tuple[int, tuple[str, ...]]] = []
+        self.requests: list[GenerationRequest] = []  # every request seen, in order (for assertions)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        return [self._complete(r) for r in requests]
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        self.loads.append((version, tuple(sorted(state))))
+        self._version = version
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"ScriptedEngine(version={self._version}, requests={len(self.requests)})"
+
+    def _complete(self, request: GenerationRequest) -> Completion:
+        self.requests.append(request)
+        params = request.params
+        tokens = [int(t) for t in self._script(tuple(request.prompt_ids), params)]
+        if not tokens:
+            raise ValueError(f"script returned no tokens for prompt {request.prompt_ids[:8]}...; an engine always "
+                             "produces at least one")
+        stops = set(params.stop_token_ids)
+        first_stop = next((i for i, t in enumerate(tokens) if t in stops), None)
+        if first_stop is not None:
+            tokens = tokens[: first_stop + 1]
+        tokens = tokens[: params.max_tokens]
+        n = len(tokens)
+        return Completion(tuple(tokens), (self._logprob,) * n, (self._version,) * n,
+                          "stop" if tokens[-1] in stops else "length")

@@ -1,0 +1,53 @@
+"""Per-token log-probs: the trainer's recomputation of log π, and the one formula the engines share with it.
+
+ALGORITHMS §1: μ is the distribution the engine actually sampled, so log π must come from logits / T with the
+rollout's T (T = 0, greedy, is scored with the untempered softmax). `TorchEngine` calls `logprobs_from_logits` on
+each decode step's logits, so on the same weights both sides run the same arithmetic and agree to fp32 rounding
+(tests/unit/test_torch_engine.py checks 1e-5).
+
+Alignment (`TrainBatch`): position t predicts `input_ids[:, t + 1]`, so the result is [B, L - 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                         temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """log softmax(logits / T)[targets], in fp32.
+
+    logits: [..., V]; targets: [...] int64; temperature: a float, or a tensor broadcastable to `targets` ([B] for
+    the engine's [B] targets, [B, 1] for per-row temperatures over [B, T] targets). Temperatures of 0 (greedy) count
+    as 1.
+
+    Why logsumexp minus the gathered logit rather than `log_softmax(...).gather(...)`: it never materialises a second
+    [..., V] tensor of log-probs, and autograd keeps only the (scaled) logits for the backward pass.
+    """
+    logits = logits.float()  # [..., V]
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits)
+        logits = logits / t.unsqueeze(-1)
+    elif temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """log π(input_ids[:, t + 1] | input_ids[:, : t + 1]) at temperature T, for every t: [B, L - 1] float32.
+
+    input_ids, attention_mask: [B, L], right-padded (`TrainBatch`); left padding works too, because position ids
+    are counted from the mask (0..n-1 over each row's real tokens), as the engine does when it samples.
+    Entries whose target is padding are 0. Gradients flow to the model unless the caller disables them.
+
+    Example:
+        >>> lp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=1.0)  # doctest: +SKIP
+        >>> # lp: [B, T], aligned with batch.loss_mask and batch.behavior_logprobs
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1]  # [B, L-1, V]
+    lp = logprobs_from_logits(logits, input_ids[:, 1:], temperature)  # [B, L-1]
+    return lp.masked_fill(attention_mask[:, 1:] == 0, 0.0)

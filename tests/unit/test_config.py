@@ -1,0 +1,79 @@
+"""The RunSpec schema through jsonargparse: short names, overrides, and bad values failing at start with the fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astratk.cli import main
+from astratk.config import dump_spec, load_spec, parse
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.losses.drpo import DRPO
+from astratk.spec import PolicySpec, RunSpec
+
+QUICKSTART = Path(__file__).parents[2] / "tutorials" / "quickstart.yaml"
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_quickstart_parses_with_short_names_and_states_delta():
+    spec = load_spec(QUICKSTART)
+    loss = spec.policies[0].loss
+    assert isinstance(loss, DRPO) and loss.delta == 0.5
+    assert isinstance(spec.env, ArithmeticEnv) and spec.env.levels == (1, 2)
+    assert "delta = 0.5:" in QUICKSTART.read_text()  # the config says which delta it uses, and why
+
+
+def test_overrides_and_round_trip(tmp_path):
+    spec = load_spec(QUICKSTART, ["--rollout.group_size", "4", "--eval.interval_s", "3"])
+    assert spec.rollout.group_size == 4 and spec.eval.interval_s == 3
+    again = parse(["--config", write(tmp_path, yaml.safe_load(dump_spec(spec)))])
+    assert dump_spec(again) == dump_spec(spec)
+
+
+def test_unknown_loss_name_lists_choices(tmp_path):
+    cfg = {"policies": [{"loss": {"class_path": "drpoo"}}]}
+    with pytest.raises(ValueError, match=r"unknown class_path 'drpoo'; choose one of \[.*'drpo'.*\]"):
+        parse(["--config", write(tmp_path, cfg)])
+
+
+def test_negative_delta_fails_at_start(tmp_path):
+    cfg = {"policies": [{"loss": {"class_path": "drpo", "init_args": {"delta": -1.0}}}]}
+    with pytest.raises(ValueError, match="delta must be > 0"):
+        parse(["--config", write(tmp_path, cfg)])
+    with pytest.raises(ValueError, match="delta must be > 0"):
+        DRPO(delta=-1.0)
+
+
+def test_missing_model_dir_says_what_to_change(tmp_path):
+    cfg = {"policies": [{"model": {"path": str(tmp_path / "nope")}}]}
+    with pytest.raises(ValueError, match=r"policies\[0\]\.model\.path: .*nope.* remove policies\[0\]\.model\.path"):
+        parse(["--config", write(tmp_path, cfg)])
+
+
+def test_cross_field_rules_name_the_key():
+    with pytest.raises(ValueError, match="rollout.temperature"):
+        RunSpec(rollout=__import__("astratk.spec", fromlist=["RolloutSpec"]).RolloutSpec(temperature=0)).validate()
+    with pytest.raises(ValueError, match=r"policies\[0\]\.roles: env 'arithmetic' has no role 'judge'"):
+        RunSpec(policies=[PolicySpec(roles=["judge"])]).validate()
+    with pytest.raises(ValueError, match=r"trainer.aggregation: unknown 'mean'"):
+        spec = RunSpec()
+        spec.policies[0].trainer.aggregation = "mean"
+        spec.validate()
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
+    code = main(["run", "--config", write(tmp_path, {"policies": [{"loss": {"class_path": "nope"}}]})])
+    assert code == 2
+    assert "unknown class_path 'nope'" in capsys.readouterr().err
+    assert main(["run", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_print_config(capsys):
+    assert main(["run", "--config", str(QUICKSTART), "--print_config"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["policies"][0]["loss"] == {"class_path": "astratk.losses.drpo.DRPO", "init_args": {"delta": 0.5}}

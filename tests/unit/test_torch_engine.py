@@ -1,0 +1,324 @@
+"""TorchEngine: behaviour log-probs equal the trainer's recomputation, greedy equals HF generate, stops, seeds,
+request batching across tasks and threads, weight loads between batches, errors reaching their callers.
+
+The engine always serves a deep copy of the reference model: it switches its own model's attention to a grouped-K/V
+variant, so comparing against the untouched model also checks that variant against HF's stock sdpa.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from astratk.contracts import Engine, GenerationRequest, SamplingParams
+from astratk.engines import TorchEngine, build_engine
+from astratk.engines.torch_engine import _mix64, _sample
+from astratk.training.logprobs import token_logprobs
+
+VOCAB = 64
+PROMPT_LENGTHS = (3, 9, 5, 14)
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=256, tie_word_embeddings=True,
+                         max_position_embeddings=256,
+                         initializer_range=0.1)  # HF's 0.02 gives a near-context-free model: greedy repeats one token
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).float().eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen2ForCausalLM:
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(1, VOCAB, (n,), generator=g).tolist()) for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture
+def engine(model):
+    eng = TorchEngine.from_model(copy.deepcopy(model), None, batch_window_s=0.01)
+    yield eng
+    eng.close()
+
+
+def gen(engine, requests, timeout_s: float = 60.0):
+    """Run one generate call; a hung engine fails the test instead of hanging it."""
+    return asyncio.run(asyncio.wait_for(engine.generate(requests), timeout_s))
+
+
+def req(prompt, **params) -> GenerationRequest:
+    return GenerationRequest(tuple(prompt), SamplingParams(**params))
+
+
+def right_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------- (a) log-prob agreement
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_behavior_logprobs_equal_trainer_recomputation(engine, model, prompts, temperature):
+    requests = [req(p, temperature=temperature, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    completions = gen(engine, requests)
+    ids, mask = right_padded([list(r.prompt_ids) + list(c.token_ids) for r, c in zip(requests, completions)])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, mask, temperature)  # [B, T]: position t predicts ids[:, t+1]
+    assert lp.dtype == torch.float32
+    for i, (r, c) in enumerate(zip(requests, completions)):
+        start = len(r.prompt_ids) - 1
+        expected = lp[i, start:start + len(c.token_ids)]
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+        assert all(v < 0 for v in c.logprobs)
+
+
+def test_temperature_changes_logprobs(engine, prompts):
+    """Guards the test above: log-probs at T=0.7 must differ from untempered ones on the same tokens."""
+    [c] = gen(engine, [req(prompts[1], temperature=0.7, max_tokens=6, seed=3)])
+    ids, mask = right_padded([list(prompts[1]) + list(c.token_ids)])
+    with torch.no_grad():
+        untempered = token_logprobs(engine._model, ids, mask, 1.0)[0, len(prompts[1]) - 1:]
+    assert (untempered - torch.tensor(c.logprobs)).abs().max() > 1e-2
+
+
+def test_token_logprobs_padding_and_alignment(model, prompts):
+    seqs = [list(p) for p in prompts]
+    ids, mask = right_padded(seqs)
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, mask, 1.0)
+        alone = token_logprobs(model, ids[:1, :len(seqs[0])], mask[:1, :len(seqs[0])], 1.0)
+        logits = model(ids[:1, :len(seqs[0])]).logits[0].float()
+    assert lp.shape == (len(seqs), ids.shape[1] - 1)
+    assert (lp[0, len(seqs[0]) - 1:] == 0).all()  # targets beyond the sequence are padding
+    torch.testing.assert_close(lp[0, :len(seqs[0]) - 1], alone[0], atol=1e-5, rtol=0)
+    # golden: log-prob of token 1 given token 0 is log_softmax(logits at position 0)[token 1]
+    assert lp[0, 0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[seqs[0][1]].item(), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ (b) greedy = HF generate
+
+
+def test_greedy_matches_hf_generate(engine, model, prompts):
+    completions = gen(engine, [req(p, temperature=0.0, max_tokens=10) for p in prompts])
+    for p, c in zip(prompts, completions):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+        assert list(c.token_ids) == out[0, len(p):].tolist()
+        assert c.finish_reason == "length" and len(c.token_ids) == 10
+
+
+# ------------------------------------------------------------------------------------------------ (c) stop, budget
+
+
+def test_stops_budgets_and_finish_reasons(engine, prompts):
+    [greedy] = gen(engine, [req(prompts[0], temperature=0.0, max_tokens=12)])
+    stop = greedy.token_ids[3]
+    cut = greedy.token_ids.index(stop) + 1
+    absent = next(t for t in range(VOCAB) if t not in greedy.token_ids)
+    requests = [  # rows that finish first come first, so compaction moves the survivors
+        req(prompts[3], temperature=1.0, max_tokens=12, stop_token_ids=tuple(range(VOCAB))),  # any token stops
+        req(prompts[1], temperature=0.7, max_tokens=1, seed=1),
+        req(prompts[2], temperature=1.0, max_tokens=5, seed=0),  # budget of 5
+        req(prompts[0], temperature=0.0, max_tokens=12, stop_token_ids=(stop,)),  # stops at its first `stop`
+        req(prompts[0], temperature=0.0, max_tokens=12, stop_token_ids=(absent,)),  # never stops
+    ]
+    c = gen(engine, requests)
+    assert len(c[0].token_ids) == 1 and c[0].finish_reason == "stop"
+    assert len(c[1].token_ids) == 1 and c[1].finish_reason == "length"
+    assert len(c[2].token_ids) == 5 and c[2].finish_reason == "length"
+    assert c[3].token_ids == greedy.token_ids[:cut] and c[3].token_ids[-1] == stop and c[3].finish_reason == "stop"
+    # the row that ran on after the others finished (and were compacted away) is unchanged
+    assert c[4].token_ids == greedy.token_ids and c[4].finish_reason == "length"
+    for x in c:
+        assert len(x.token_ids) == len(x.logprobs) == len(x.versions)
+
+
+# ---------------------------------------------------------------------------------------------------- (d) seeds
+
+
+def test_seed_reproducible_whatever_the_batch(engine, model, prompts):
+    target = req(prompts[1], temperature=1.0, max_tokens=16, seed=7)
+    [alone] = gen(engine, [target])
+    others = [req(p, temperature=t, max_tokens=20) for p in prompts for t in (1.0, 0.5)]
+    batched = gen(engine, others[:3] + [target] + others[3:])[3]
+    assert batched.token_ids == alone.token_ids
+    torch.testing.assert_close(torch.tensor(batched.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+    [other_seed] = gen(engine, [req(prompts[1], temperature=1.0, max_tokens=16, seed=8)])
+    assert other_seed.token_ids != alone.token_ids
+    # unseeded rows follow the engine's generator: two engines with the same seed agree
+    with TorchEngine.from_model(copy.deepcopy(model), seed=5) as a, TorchEngine.from_model(copy.deepcopy(model),
+                                                                                            seed=5) as b:
+        unseeded = [req(p, max_tokens=8) for p in prompts]
+        assert [c.token_ids for c in gen(a, unseeded)] == [c.token_ids for c in gen(b, unseeded)]
+
+
+# ------------------------------------------------------------------------------------------------- (e) batching
+
+
+def test_concurrent_calls_are_merged_into_few_batches(engine, prompts):
+    async def many():
+        return await asyncio.gather(*(engine.generate([req(prompts[i % 4], max_tokens=4, seed=i)])
+                                      for i in range(200)))
+
+    results = asyncio.run(many())
+    assert len(results) == 200 and all(len(r) == 1 and len(r[0].token_ids) == 4 for r in results)
+    assert engine.stats["requests"] == 200
+    assert engine.stats["batches"] <= 8, engine.stats  # one call per batch would be 200
+    assert isinstance(engine, Engine)
+
+
+def test_calls_from_two_threads_and_loops(engine, prompts):
+    requests = [req(prompts[i % 4], max_tokens=6, seed=i) for i in range(20)]
+    expected = [c.token_ids for c in gen(engine, requests)]
+    results: dict[int, list] = {}
+
+    def worker(k: int) -> None:
+        async def calls():
+            return await asyncio.gather(*(engine.generate([r]) for r in requests))
+        results[k] = [out[0].token_ids for out in asyncio.run(calls())]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a generate thread did not finish within 60 s"
+    assert results[0] == expected and results[1] == expected
+
+
+# --------------------------------------------------------------------------------------------- (f) weight loads
+
+
+def test_load_weights_applies_between_batches(model, prompts):
+    new_model = tiny_model(1)
+    new_state = {k: v.clone() for k, v in new_model.state_dict().items()}
+    requests = [req(p, temperature=1.0, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
+    served = copy.deepcopy(model)
+    with TorchEngine.from_model(copy.deepcopy(model)) as old_ref, TorchEngine.from_model(new_model) as new_ref, \
+            TorchEngine.from_model(served, batch_window_s=0.0) as engine:
+        old_expected, new_expected = gen(old_ref, requests), gen(new_ref, requests)
+        # hold the batch inside its 5th forward (mid-decode) until the load has been requested
+        in_decode, release, calls = threading.Event(), threading.Event(), []
+
+        def gate(module, args, kwargs):
+            calls.append(1)
+            if len(calls) == 5:
+                in_decode.set()
+                assert release.wait(30), "test gate: release event not set within 30 s"
+
+        handle = served.register_forward_pre_hook(gate, with_kwargs=True)
+        loader = threading.Thread(target=engine.load_weights, args=(new_state, 3))
+        try:
+            in_flight = engine.submit(requests)
+            assert in_decode.wait(30), "the batch did not reach its 5th forward within 30 s"
+            loader.start()
+            time.sleep(0.2)
+            assert loader.is_alive() and engine.version == 0  # waits for the batch in flight
+        finally:
+            release.set()
+        during = in_flight.result(timeout=60)
+        loader.join(timeout=60)
+        handle.remove()
+        assert not loader.is_alive() and engine.version == 3
+        for got, want in zip(during, old_expected):
+            assert got.versions == (0,) * len(got.token_ids) and got.token_ids == want.token_ids
+        after = gen(engine, requests)
+        for got, want in zip(after, new_expected):
+            assert got.versions == (3,) * len(got.token_ids) and got.token_ids == want.token_ids
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-6, rtol=0)
+
+
+def test_load_weights_rejects_unknown_names(engine):
+    with pytest.raises(KeyError, match="names the model lacks"):
+        engine.load_weights({"not.a.param": torch.zeros(1)}, 1)
+    name, param = next(iter(engine._model.named_parameters()))
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights({name: torch.zeros(param.shape[0] + 1)}, 1)
+    assert engine.version == 0
+
+
+# ---------------------------------------------------------------------------------------------------- (g) errors
+
+
+def test_model_error_reaches_callers_and_engine_keeps_serving(engine, prompts):
+    def boom(module, args):
+        raise RuntimeError("boom in forward")
+
+    handle = engine._model.register_forward_pre_hook(boom)
+
+    async def two_calls():
+        return await asyncio.gather(engine.generate([req(prompts[0])]), engine.generate([req(prompts[1])]),
+                                    return_exceptions=True)
+
+    errors = asyncio.run(two_calls())
+    handle.remove()
+    assert all(isinstance(e, RuntimeError) and "boom" in str(e) for e in errors)
+    [ok] = gen(engine, [req(prompts[0], max_tokens=3)])
+    assert len(ok.token_ids) == 3 and engine.stats["errors"] == 1
+
+
+def test_bad_requests_fail_at_their_caller(engine):
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen(engine, [req(())])
+    with pytest.raises(ValueError, match="must lie in"):
+        gen(engine, [req((1, VOCAB))])
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gen(engine, [req((1, 2))])
+
+
+def test_build_engine_from_a_model_directory(model, prompts, tmp_path):
+    model.save_pretrained(tmp_path)
+    requests = [req(p, temperature=1.0, max_tokens=6, seed=i) for i, p in enumerate(prompts)]
+    with build_engine("torch", tmp_path, max_batch=2) as from_path, TorchEngine.from_model(copy.deepcopy(model)) as ref:
+        assert from_path.tokenizer is None  # no tokenizer files saved
+        got = gen(from_path, requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in gen(ref, requests)]
+        assert from_path.stats["batches"] == 2 and from_path.stats["max_batch_seen"] == 2
+
+
+# --------------------------------------------------------------------------------- sampler: μ is what is sampled
+
+
+def test_counter_hash_is_splitmix64():
+    """Golden values: splitmix64's finaliser in Python integers; torch int64 products must wrap the same way."""
+    def mix(x: int) -> int:
+        m = (1 << 64) - 1
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        return x ^ (x >> 31)
+
+    values = [0, 1, 7, 2**40 + 3, 2**62 - 1]
+    got = _mix64(torch.tensor(values)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [mix(v) for v in values]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_frequencies_match_reported_distribution(temperature):
+    """20000 rows of one distribution: token frequencies match exp(log-prob) within 5 standard errors."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 0.3, 1.5]).expand(20000, 8)
+    temps = torch.full((20000,), temperature)
+    tokens, lp = _sample(logits, temps, torch.arange(20000), step=3)
+    p = torch.softmax(logits[0] / temperature, -1)
+    torch.testing.assert_close(lp, torch.log(p)[tokens], atol=1e-5, rtol=0)
+    freq = torch.bincount(tokens, minlength=8).double() / 20000
+    se = (p.double() * (1 - p.double()) / 20000).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * se + 1e-4).all(), (freq, p)
+    tokens_next, _ = _sample(logits, temps, torch.arange(20000), step=4)
+    assert (tokens_next != tokens).float().mean() > 0.3  # a fresh draw per token index
