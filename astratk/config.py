@@ -88,19 +88,19 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:
 
 def dump_spec(spec: RunSpec) -> str:
     """The spec as YAML with plug-ins as class_path / init_args (init_args read back from the instance)."""
-    return yaml.safe_dump(_plain(spec), sort_keys=False)
+    return yaml.safe_dump(to_plain(spec), sort_keys=False)
 
 
-def _plain(obj: Any) -> Any:
+def toto_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
-        return [_plain(x) for x in obj]
+        return [to_plain(x) for x in obj]
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
+        return {k: to_plain(v) for k, v in obj.items()}
     if obj is None or isinstance(obj, (str, int, float, bool)):
         return obj
     cls = type(obj)
     params = inspect.signature(cls).parameters
-    init_args = {k: _plain(getattr(obj, k)) for k in params if hasattr(obj, k)}
+    init_args = {k: to_plain(getattr(obj, k)) for k in params if hasattr(obj, k)}
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}

@@ -100,6 +100,14 @@ class Env(abc.ABC):
         """A reference completion for supervised warm starts; envs without one raise."""
         raise NotImplementedError(f"env {self.name!r} has no demonstrations; give model.path instead of a warm start")
 
+    def messages(self, task: Task) -> list[dict[str, str]]:
+        """The chat messages that open an episode (warm starts train on them; single-turn envs roll out from them)."""
+        raise NotImplementedError(f"env {self.name!r} does not expose its opening messages")
+
+    def grade(self, task: Task, text: str) -> float:
+        """Reward of one completion text, for envs whose score is a pure function of the text."""
+        raise NotImplementedError(f"env {self.name!r} has no text grader")
+
 
 # ---------------------------------------------------------------------------------------------------------- losses
 

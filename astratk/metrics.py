@@ -27,7 +27,7 @@ def _split(key: str, policies: Sequence[str]) -> tuple[str | None, str]:
     parts = key.split("/")
     if len(parts) >= 3 and parts[1] in policies:
         rest = parts[2:]
-        if rest[0] == "loss":  # loss diagnostics read better without the component prefix
+        if rest[0] == "loss" and len(rest) > 1:  # loss diagnostics: loss_ratio_mean, not train_loss_ratio_mean
             return parts[1], "_".join(rest)
         return parts[1], "_".join([parts[0], *rest])
     return None, "_".join(parts)

@@ -29,9 +29,13 @@ class TinyModelSpec:
     num_heads: int = 4  # head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)
     num_kv_heads: int = 2
     intermediate_size: int = 384
-    warm_start_steps: int = 300  # supervised steps on the env's demonstrations
-    warm_start_batch: int = 64
-    warm_start_lr: float = 3e-3
+    # Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start from well-formed,
+    # partly right answers. It stops once the running exact-match on unseen train batches reaches the target (None:
+    # run every step); the steps are a cap. Default arithmetic env: ~30% held-out in under a minute on one thread.
+    warm_start_steps: int = 1000
+    warm_start_batch: int = 32
+    warm_start_lr: float = 1e-3
+    warm_start_target: float | None = 0.3
     seed: int = 0
 
 
@@ -95,7 +99,7 @@ class DataflowSpec:
     advantage: str = "dr_grpo"  # group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)
     filter_zero_variance: bool = True  # drop groups whose rewards are all equal (no learning signal), counted
     max_task_attempts: int = 3  # a task whose rollout failed this many times is dropped, counted
-    max_buffer_groups: int = 4096  # back-pressure: acquisition pauses while a policy's buffer holds this many
+    prefetch_steps: float = 2.0  # back-pressure: lease only while buffered + in-flight tasks < this many steps' worth
 
 
 @dataclass
@@ -169,7 +173,7 @@ class RunSpec:
                              f"{r.temperature}); greedy decoding is for evaluation")
         if self.dataflow.max_staleness < 0:
             raise ValueError(f"dataflow.max_staleness must be >= 0, got {self.dataflow.max_staleness}")
-        _positive("dataflow", lease_timeout_s=self.dataflow.lease_timeout_s,
+        _positive("dataflow", lease_timeout_s=self.dataflow.lease_timeout_s, prefetch_steps=self.dataflow.prefetch_steps,
                   max_task_attempts=self.dataflow.max_task_attempts)
         from astratk.dataflow.advantages import get_advantage
 

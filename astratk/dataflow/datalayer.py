@@ -71,9 +71,12 @@ class DataLayer:
 
     # --------------------------------------------------------------------------------------------- leasing
     def lease(self, n: int) -> list[Lease]:
-        """Up to `n` task leases: expired leases first, then new tasks. Fewer (or none) under back-pressure."""
+        """Up to `n` task leases: expired leases first, then new tasks. Fewer (or none) under back-pressure:
+        leasing stops while buffered groups plus leases in flight reach `prefetch_steps` steps' worth for any policy
+        (rolling out further ahead only produces samples that go stale)."""
         self._expire()
-        room = min(self.spec.dataflow.max_buffer_groups - len(b) for b in self._buffers.values())
+        room = min(int(self.spec.dataflow.prefetch_steps * self.spec.policy(pid).trainer.groups_per_step) - len(b)
+                   for pid, b in self._buffers.items()) - len(self._outstanding) - len(self._retry)
         n = max(0, min(n, room))
         out: list[Lease] = []
         deadline = self._clock() + self.spec.dataflow.lease_timeout_s

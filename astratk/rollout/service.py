@@ -58,6 +58,14 @@ def get_service(ctx: RunContext) -> RolloutService:
         return service
 
 
+def _quiet_transformers() -> None:
+    """Per-load progress bars from transformers would flood worker logs at every engine start."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _service_name() -> str:
     try:
         from distributed import get_worker
@@ -72,6 +80,7 @@ class RolloutService:
         self.ctx = ctx
         self.spec = ctx.spec
         torch.set_num_threads(self.spec.cluster.torch_threads)
+        _quiet_transformers()
         self.env: Env = self.spec.env
         self.store = WeightStore(ctx.store_url)
         self.name = _service_name()

@@ -46,6 +46,9 @@ class Session:
         from astratk.runtime.evaluation import Evaluator
         from astratk.weights.store import WeightStore
 
+        from astratk.rollout.service import _quiet_transformers
+
+        _quiet_transformers()
         spec, pid = self.spec, self.policy.policy_id
         t = time.perf_counter()
         self.model_path = str(ensure_model(self.policy.model, spec.env, log=self.print))

@@ -30,6 +30,7 @@ class PolicyModule(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["loss"])
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.train()  # from_pretrained returns eval mode; Lightning warns about eval-mode modules in fit
         self.loss = loss
         self.policy_id = policy_id
         self.lr, self.weight_decay = lr, weight_decay

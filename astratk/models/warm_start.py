@@ -1,0 +1,191 @@
+"""A short supervised warm start on an env's demonstrations, then held-out greedy accuracy.
+
+Why: RL from a random tiny model never sees a reward; RL from a solved one has nothing to add. The warm start teaches
+the answer *format* (a number, then `<|im_end|>`) and part of the skill, so the demo's RL run starts at a partial
+accuracy it can visibly raise. Each example is the env's chat prompt (`encode_chat(tok, env.messages(task))`) followed
+by `env.demonstration(task)` and `<|im_end|>`; the loss covers the completion tokens only.
+
+When to stop: the skill arrives as a jump (the default arithmetic env goes from a few percent to over half within ~200
+steps once the model finds digit alignment), and where the jump happens depends on the seed (measured, 500 steps:
+34% with seed 0, 3% with seed 1, 1% with seed 2). So the warm start stops once the running exact-match on *fresh*
+train batches (every completion token is the model's greedy choice, measured before the batch's update, so the
+examples are unseen; free, from the training forward pass) reaches `spec.warm_start_target`; `warm_start_steps` caps it.
+Measured with the defaults (target 30%, cap 1000): seed 0 stops at 515 steps with 35.9% held-out (58 s on one busy
+thread), seed 1 at 761 steps with 31.8% (89 s), seed 2 runs to the cap with 26.6% (122 s).
+
+Deterministic: training runs on one torch thread (a different thread count changes float reduction order) with a
+seeded RNG, and the data order is the env's seeded train stream, so one spec gives bit-identical weights.
+
+Extending: an env takes part by implementing `demonstration(task)`, `messages(task)` and `grade(task, text)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from astratk.contracts import Env
+from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.records import Task
+from astratk.spec import TinyModelSpec
+
+MAX_HELDOUT = 512  # held-out tasks graded after the warm start
+LOG_EVERY = 50  # steps between loss lines
+STOP_WINDOW = 20  # steps whose train exact-match is averaged for the stopping rule (20 x 32 = 640 examples)
+
+
+@dataclass(frozen=True)
+class WarmStartReport:
+    steps: int  # supervised steps run (fewer than spec.warm_start_steps when the target was reached)
+    heldout_accuracy: float  # fraction of held-out tasks answered exactly, greedy decoding
+    n_heldout: int
+    heldout_finished: float  # fraction of greedy completions that ended with a stop token (format learnt)
+    final_loss: float  # mean completion-token cross-entropy over the last LOG_EVERY steps
+    seconds: float
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread (determinism; 2-core machines oversubscribe otherwise), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _require(env: Env, *methods: str) -> None:
+    missing = [m for m in methods if not callable(getattr(env, m, None))]
+    if missing:
+        raise ValueError(f"env {env.name!r} lacks {missing}, which the tiny model's warm start needs; implement them "
+                         "or give model.path (an HF model directory) instead of building the tiny model")
+
+
+def _example(tok, env: Env, task: Task) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids): the completion is the demonstration then <|im_end|>."""
+    prompt = encode_chat(tok, env.messages(task))  # type: ignore[attr-defined]
+    completion = tok(env.demonstration(task), add_special_tokens=False)["input_ids"]
+    return prompt, completion + [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded input ids, attention mask and completion mask, all [B, T]."""
+    width = max(len(p) + len(c) for p, c in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    target = torch.zeros((len(examples), width), dtype=torch.bool)  # True where the token is a completion token
+    for i, (p, c) in enumerate(examples):
+        n = len(p) + len(c)
+        ids[i, :n] = torch.tensor(p + c)
+        attn[i, :n] = 1
+        target[i, len(p):n] = True
+    return ids, attn, target
+
+
+def completion_loss(model, ids: torch.Tensor, attn: torch.Tensor,
+                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the completion tokens, each predicted from the tokens before it, and per example
+    whether every completion token is the greedy choice ([B] bool: greedy decoding would reproduce the example)."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [B, T-1, V] predicts ids[:, 1:]
+    mask = target[:, 1:]  # [B, T-1]
+    nll = torch.nn.functional.cross_entropy(logits[mask], ids[:, 1:][mask])  # mean over completion tokens
+    exact = ((logits.detach().argmax(-1) == ids[:, 1:]) | ~mask).all(dim=1)  # [B]
+    return nll, exact
+
+
+def lr_factor(step: int, total: int) -> float:
+    """Linear warmup over 20 steps (or 10% of a shorter run), then constant.
+
+    No decay: the model should stop mid-learning, as RL then continues it. Measured on the default arithmetic env:
+    accuracy jumps from a few percent to over half within ~200 steps once the model finds digit alignment, and a
+    cosine decay delays that jump (480 steps: 3% with decay to 10%, 15% constant).
+    """
+    warmup = max(1, min(20, total // 10))
+    return min(1.0, (step + 1) / warmup)
+
+
+def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
+                     log: Callable[[str], None] = print) -> tuple[int, float]:
+    """AdamW steps of spec.warm_start_batch demonstrations until the target or the cap (module docstring).
+
+    Returns (steps run, mean loss over the last LOG_EVERY steps).
+    """
+    _require(env, "demonstration", "messages")
+    stream = env.tasks("train")
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, spec.warm_start_steps))
+    model.train()
+    losses: list[float] = []
+    exact: list[float] = []  # per step: fraction of the (unseen) batch that greedy decoding would reproduce
+    step = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        while step < spec.warm_start_steps:
+            step += 1
+            batch = [_example(tok, env, t) for t in itertools.islice(stream, spec.warm_start_batch)]
+            loss, hit = completion_loss(model, *_collate(batch, tok.pad_token_id))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            exact.append(hit.float().mean().item())
+            running = sum(exact[-STOP_WINDOW:]) / len(exact[-STOP_WINDOW:])
+            reached = (spec.warm_start_target is not None and len(exact) >= STOP_WINDOW
+                       and running >= spec.warm_start_target)
+            if step % LOG_EVERY == 0 or step == spec.warm_start_steps or reached:
+                log(f"warm start: step {step}/{spec.warm_start_steps} loss {_mean(losses[-LOG_EVERY:]):.4f} "
+                    f"train exact-match {running:.1%}")
+            if reached:
+                log(f"warm start: train exact-match reached the target {spec.warm_start_target:.0%}; stopping")
+                break
+    model.eval()
+    return step, _mean(losses[-LOG_EVERY:])
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+@torch.no_grad()
+def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: int = 512) -> tuple[float, float, int]:
+    """Greedy accuracy over the first `max_tasks` held-out tasks: (accuracy, finished fraction, n graded)."""
+    _require(env, "demonstration", "messages", "grade")
+    tasks = list(itertools.islice(env.tasks("heldout"), max_tasks))
+    if not tasks:
+        raise ValueError(f"env {env.name!r} has no held-out tasks to measure the warm start on")
+    stops = list(stop_token_ids(tok))
+    # Room for the longest reference answer, its <|im_end|>, and a little slack for wrong, longer answers.
+    budget = max(len(tok(env.demonstration(t), add_special_tokens=False)["input_ids"]) for t in tasks) + 3
+    model.eval()
+    correct = finished = 0
+    for start in range(0, len(tasks), batch):
+        chunk = tasks[start:start + batch]
+        enc = tok.pad({"input_ids": [encode_chat(tok, env.messages(t)) for t in chunk]},  # type: ignore[attr-defined]
+                      padding=True, return_tensors="pt", padding_side="left")
+        out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=stops,
+                             pad_token_id=tok.pad_token_id)
+        for task, row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+            finished += any(t in stops for t in row)
+            text = tok.decode(row, skip_special_tokens=True)
+            correct += env.grade(task, text) == 1.0  # type: ignore[attr-defined]
+    return correct / len(tasks), finished / len(tasks), len(tasks)
+
+
+def warm_start(model, tok, env: Env, spec: TinyModelSpec, log: Callable[[str], None] = print) -> WarmStartReport:
+    """Train in place on the env's demonstrations, then grade greedy completions on its held-out tasks."""
+    t0 = time.perf_counter()
+    with one_thread():
+        steps, loss = supervised_steps(model, tok, env, spec, log)
+        accuracy, done, n = heldout_accuracy(model, tok, env)
+    report = WarmStartReport(steps, accuracy, n, done, loss, time.perf_counter() - t0)
+    log(f"warm start: held-out greedy accuracy {accuracy:.1%} over {n} tasks ({done:.0%} well-formed), "
+        f"{report.seconds:.1f} s")
+    return report
