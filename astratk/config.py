@@ -91,7 +91,8 @@ def dump_spec(spec: RunSpec) -> str:
     return yaml.safe_dump(to_plain(spec), sort_keys=False)
 
 
-def toto_plain(obj: Any) -> Any:
+def to_plain(obj: Any) -> Any:
+    """Dataclasses as dicts, plug-in instances as {class_path, init_args} (init args read back from attributes)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
