@@ -63,7 +63,7 @@ class TrainerSpec:
     max_steps: int = 200
     max_time_s: float | None = None  # stop training after this many seconds (None: run max_steps)
     groups_per_step: int = 16  # prompts per optimiser step (each with rollout.group_size samples)
-    lr: float = 1e-3
+    lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     publish_every: int = 1  # publish weights every k optimiser steps

@@ -23,9 +23,9 @@ def write(tmp_path, data) -> str:
 def test_quickstart_parses_with_short_names_and_states_delta():
     spec = load_spec(QUICKSTART)
     loss = spec.policies[0].loss
-    assert isinstance(loss, DRPO) and loss.delta == 0.5
+    assert isinstance(loss, DRPO) and loss.delta == 0.2
     assert isinstance(spec.env, ArithmeticEnv) and spec.env.levels == (1, 2)
-    assert "delta = 0.5:" in QUICKSTART.read_text()  # the config says which delta it uses, and why
+    assert "delta = 0.2, " in QUICKSTART.read_text()  # the config says which delta it uses, and why
 
 
 def test_overrides_and_round_trip(tmp_path):
@@ -76,4 +76,4 @@ def test_cli_reports_bad_config_without_traceback(tmp_path, capsys):
 def test_print_config(capsys):
     assert main(["run", "--config", str(QUICKSTART), "--print_config"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
-    assert out["policies"][0]["loss"] == {"class_path": "astratk.losses.drpo.DRPO", "init_args": {"delta": 0.5}}
+    assert out["policies"][0]["loss"] == {"class_path": "astratk.losses.drpo.DRPO", "init_args": {"delta": 0.2}}
