@@ -20,6 +20,7 @@ def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, A
 
     cls = Nanny if processes else Worker
     env = {k: str(spec.cluster.torch_threads) for k in THREAD_ENV}
+    env["DASK_LOGGING__DISTRIBUTED"] = "warning"  # worker INFO lines would drown the run's progress
     common: dict[str, Any] = {"host": "127.0.0.1", "nthreads": spec.cluster.threads_per_worker}
     if processes:
         common["env"] = env

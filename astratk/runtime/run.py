@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -63,7 +62,6 @@ class Run:
         """Run to completion (blocking) and return where the metrics and plots are."""
         from astratk.runtime.session import Session
 
-        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
         spec = self.spec
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"

@@ -21,6 +21,21 @@ from astratk.spec import RunSpec
 TARGET_GAIN = 0.15  # the quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it
 
 
+def _quiet_lightning() -> None:
+    """Lightning sets its logger to INFO when imported (GPU/TPU availability, tips); a run prints its own progress."""
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")  # torch 2.13 + Lightning 2.6, every fit (TRAPS)
+
+
+def _quiet_dask() -> None:
+    import logging
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
 class Session:
     def __init__(self, spec: RunSpec, run_dir: Path, printer: Callable[[str], None]) -> None:
         if len(spec.policies) != 1:
@@ -49,6 +64,7 @@ class Session:
         from astratk.rollout.service import _quiet_transformers
 
         _quiet_transformers()
+        _quiet_dask()
         spec, pid = self.spec, self.policy.policy_id
         t = time.perf_counter()
         self.model_path = str(ensure_model(self.policy.model, spec.env, log=self.print))
@@ -115,6 +131,8 @@ class Session:
     def _build_trainer(self) -> tuple[Any, Any, Any, Any]:
         import lightning.pytorch as pl
         from lightning.pytorch.loggers import CSVLogger
+
+        _quiet_lightning()
         from transformers import AutoTokenizer
 
         from astratk.training.data import GroupStream, RolloutDataModule

@@ -45,7 +45,7 @@ def test_local_run_advances_versions_and_writes_metrics(tmp_path):
     assert ds.sizes["step"] == 6
     # versions reached the trajectories: later batches were sampled by published (v >= 1) weights
     assert float(ds["train_behavior_version_max"].max()) >= 1
-    assert float(ds["train_policy_version"].isel(step=-1)) == 5  # the last step trained from v5, then published v6
+    assert float(ds["train_policy_version"].sel(policy="main").isel(step=-1)) == 5  # the last step trained from v5, then published v6
     assert ds.sizes["eval"] >= 2 and float(ds["eval_version"].isel(eval=0)) == 0
     assert 0.0 <= s["accuracy_before"] <= 1.0 and 0.0 <= s["accuracy_after"] <= 1.0
     assert result.files["html"].stat().st_size > 10_000 and result.files["png"].stat().st_size > 5_000
