@@ -113,6 +113,12 @@ class ClusterSpec:
 
 
 @dataclass
+class WeightsSpec:
+    url: str | None = None  # fsspec URL of the weight store; None: <run dir>/weights
+    keep_last: int | None = 32  # snapshots kept behind the newest (version 0 is always kept); None keeps all
+
+
+@dataclass
 class EvalSpec:
     interval_s: float = 15.0  # wall-clock interval between held-out evaluations during training
     max_tasks: int = 512  # held-out tasks evaluated each time (greedy decoding)
@@ -130,6 +136,7 @@ class RunSpec:
     dataflow: DataflowSpec = field(default_factory=DataflowSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
     progress: bool = True
 
     def validate(self) -> RunSpec:
@@ -184,6 +191,8 @@ class RunSpec:
         _positive("cluster", rollout_workers=self.cluster.rollout_workers,
                   threads_per_worker=self.cluster.threads_per_worker)
         _positive("eval", interval_s=self.eval.interval_s, max_tasks=self.eval.max_tasks)
+        if self.weights.keep_last is not None and self.weights.keep_last < 1:
+            raise ValueError(f"weights.keep_last must be >= 1 or null (keep all), got {self.weights.keep_last}")
         return self
 
     def policy(self, policy_id: str) -> PolicySpec:

@@ -45,18 +45,15 @@ class DataLayerHandle:
                                "alive? (the data-layer actor dies with its worker)") from None
 
     def wait_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1, *,
-                   timeout: float = 300.0, poll_s: float = 0.02, stop: threading.Event | None = None
-                   ) -> list[Group] | None:
-        """Poll `next_batch` until it is ready. Returns None only if `stop` is set; raises TimeoutError naming the
-        wait (and the data layer's counters, to show where samples went) after `timeout` seconds."""
+                   timeout: float = 300.0, poll_s: float = 0.02) -> list[Group]:
+        """Poll `next_batch` until it is ready; after `timeout` seconds raise TimeoutError naming the wait (and the
+        data layer's counters, to show where samples went)."""
         start = time.monotonic()
         delay = poll_s
         while True:
             groups = self.call("next_batch", policy_id, step, rank, world_size)
             if groups is not None:
                 return groups
-            if stop is not None and stop.is_set():
-                return None
             waited = time.monotonic() - start
             if waited > timeout:
                 status = self.call("status")

@@ -7,7 +7,6 @@ evaluate the last version, summarise. Multi-policy runs (one trainer process per
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,7 +69,7 @@ class Session:
         self.model_path = str(ensure_model(self.policy.model, spec.env, log=self.print))
         self.print(f"model for {pid!r}: {self.model_path} ({time.perf_counter() - t:.0f}s)")
         torch.set_num_threads(spec.cluster.torch_threads)
-        store_url = str(self.run_dir / "weights")
+        store_url = spec.weights.url or str(self.run_dir / "weights")
         publish_initial(WeightStore(store_url), pid, self.model_path)
         t = time.perf_counter()
         if spec.cluster.scheduler_address:
@@ -83,6 +82,7 @@ class Session:
         ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=spec, model_paths={pid: self.model_path},
                          store_url=store_url)
         self.deployment = deploy(ctx, self.client, timeout_s=spec.cluster.startup_timeout_s)
+        self.deployment.store.keep_last = spec.weights.keep_last  # only the publisher prunes
         self._closers.insert(0, self.deployment.stop)
         self.print(f"cluster up with {len(self.client.scheduler_info()['workers'])} workers "
                    f"({time.perf_counter() - t:.0f}s); dashboard: {self.client.dashboard_link if spec.cluster.dashboard else 'off'}")
@@ -143,9 +143,8 @@ class Session:
         spec, p = self.spec, self.policy
         ts = p.trainer
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._stop = threading.Event()
         stream = GroupStream(self.deployment.datalayer, p.policy_id, tokenizer.pad_token_id,
-                             max_steps=ts.max_steps, timeout_s=ts.batch_timeout_s, stop=self._stop)
+                             max_steps=ts.max_steps, timeout_s=ts.batch_timeout_s)
         self._datamodule = RolloutDataModule(stream)
         module = PolicyModule(self.model_path, p.loss, policy_id=p.policy_id,
                               lr=ts.lr, weight_decay=ts.weight_decay, temperature=spec.rollout.temperature,

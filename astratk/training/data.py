@@ -3,13 +3,19 @@
 To the trainer the system is "a streaming corpus" (AstraFlow): step k's batch is pulled with
 `next_batch(policy_id, k, rank, world_size)` (client-side polling with a timeout), collated to a `TrainBatch` here.
 Keep `num_workers=0` (TRAPS: a forked loader worker would poll a copy of the handle's state).
+
+Why tickets: Lightning's fit loop fetches one batch ahead of the step it runs (to detect the end of an iterable).
+If the iterator itself waited for data, step k could not start until step k+1's rollouts had arrived: one version of
+extra staleness and a misattributed wait. So the iterator yields a cheap `StepTicket`, and the data module resolves
+it in `on_before_batch_transfer`, which Lightning calls right before the step that uses it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset
@@ -19,10 +25,15 @@ from astratk.records import TrainBatch
 from astratk.training.collate import collate
 
 
+@dataclass(frozen=True)
+class StepTicket:
+    step: int
+
+
 class GroupStream(IterableDataset):
     def __init__(self, datalayer: DataLayerHandle, policy_id: str, pad_id: int, *, start_step: int = 0,
-                 max_steps: int | None = None, timeout_s: float = 300.0, rank: int = 0, world_size: int = 1,
-                 stop: threading.Event | None = None) -> None:
+                 max_steps: int | None = None, timeout_s: float = 300.0, rank: int = 0, world_size: int = 1
+                 ) -> None:
         self.datalayer = datalayer
         self.policy_id = policy_id
         self.pad_id = pad_id
@@ -30,22 +41,23 @@ class GroupStream(IterableDataset):
         self.max_steps = max_steps
         self.timeout_s = timeout_s
         self.rank, self.world_size = rank, world_size
-        self.stop = stop
         self.last_wait_s = 0.0  # time the trainer waited for the latest batch (the data-wait metric)
         self.total_wait_s = 0.0
 
-    def __iter__(self) -> Iterator[TrainBatch]:
+    def __iter__(self) -> Iterator[StepTicket]:
         step = self.start_step
         while self.max_steps is None or step < self.max_steps:
-            start = time.perf_counter()
-            groups = self.datalayer.wait_batch(self.policy_id, step, self.rank, self.world_size,
-                                               timeout=self.timeout_s, stop=self.stop)
-            if groups is None:
-                return
-            self.last_wait_s = time.perf_counter() - start
-            self.total_wait_s += self.last_wait_s
-            yield collate(groups, self.pad_id)
+            yield StepTicket(step)
             step += 1
+
+    def resolve(self, ticket: StepTicket) -> TrainBatch:
+        """Wait for the ticket's step batch (timeout names the wait) and collate it."""
+        start = time.perf_counter()
+        groups = self.datalayer.wait_batch(self.policy_id, ticket.step, self.rank, self.world_size,
+                                           timeout=self.timeout_s)
+        self.last_wait_s = time.perf_counter() - start
+        self.total_wait_s += self.last_wait_s
+        return collate(groups, self.pad_id)
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -56,6 +68,9 @@ class RolloutDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.stream, batch_size=None, num_workers=0, collate_fn=_identity)
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return self.stream.resolve(batch) if isinstance(batch, StepTicket) else batch
 
-def _identity(batch: TrainBatch) -> TrainBatch:
-    return batch
+
+def _identity(item: Any) -> Any:
+    return item

@@ -30,7 +30,14 @@ from astratk.records import WeightRef
 
 
 class WeightStore:
-    def __init__(self, url: str) -> None:
+    """`keep_last`: after each publication, delete snapshots more than this many versions older (None keeps all).
+    Version 0 (the starting weights) is always kept. Pullers only ever need recent versions; a run publishing every
+    step would otherwise fill the disk (220 versions of a 3.3 MB model: 724 MB)."""
+
+    def __init__(self, url: str, keep_last: int | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (or None to keep every version), got {keep_last}")
+        self.keep_last = keep_last
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.fs.makedirs(self.root, exist_ok=True)
@@ -50,7 +57,17 @@ class WeightStore:
         meta = json.dumps(ref.__dict__).encode()
         self._atomic_write(self._path(policy_id, f"v{version:08d}.json"), meta)
         self._atomic_write(self._path(policy_id, "latest.json"), meta)
+        if self.keep_last is not None:
+            self._prune(policy_id, version - self.keep_last)
         return ref
+
+    def _prune(self, policy_id: str, below: int) -> None:
+        for path in self.fs.ls(self._path(policy_id), detail=False):
+            name = path.rsplit("/", 1)[-1]
+            if name.startswith("v") and name.split(".")[0][1:].isdigit():
+                v = int(name.split(".")[0][1:])
+                if 0 < v < below:
+                    self.fs.rm(path)
 
     def _atomic_write(self, path: str, data: bytes) -> None:
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"

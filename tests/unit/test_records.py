@@ -43,3 +43,25 @@ def test_records_pickle_small_and_round_trip():
     assert pickle.loads(blob) == t
     assert len(blob) < 1000
     assert t.with_reward(0.0).reward == 0.0 and t.reward == 1.0
+
+
+def test_weight_store_publish_fetch_prune_and_checksum(tmp_path):
+    import torch
+
+    from astratk.weights.store import WeightStore
+
+    store = WeightStore(str(tmp_path / "w"), keep_last=2)
+    assert store.latest("main") is None
+    for v in range(6):
+        ref = store.publish("main", v, {"w": torch.full((3,), float(v))})
+    assert store.latest("main") == ref and ref.version == 5
+    assert store.fetch(store.ref("main", 4))["w"].tolist() == [4.0] * 3
+    assert store.fetch(store.ref("main", 0))["w"].tolist() == [0.0] * 3  # version 0 is always kept
+    kept = sorted(p.name for p in (tmp_path / "w" / "main").glob("v*.safetensors"))
+    assert kept == ["v00000000.safetensors", "v00000003.safetensors", "v00000004.safetensors",
+                    "v00000005.safetensors"]
+    with pytest.raises(KeyError, match="version 9 was never published"):
+        store.ref("main", 9)
+    (tmp_path / "w" / "main" / "v00000005.safetensors").write_bytes(b"torn")
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        store.fetch(ref)
