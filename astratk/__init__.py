@@ -31,4 +31,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'astratk' has no attribute {name!r}")
 
 
-__all__ = sorted(_LAZY)
+__all__ = ["DataLayer", "PolicySpec", "Run", "RunSpec", "WeightStore", "load_spec"]

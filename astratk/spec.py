@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from astratk.contracts import Env, PolicyLoss
 from astratk.registry import resolve_path
@@ -105,6 +104,7 @@ class DataflowSpec:
 @dataclass
 class ClusterSpec:
     scheduler_address: str | None = None  # None: start a local cluster
+    processes: bool = True  # local cluster of worker processes; False: threads in this process (debuggers)
     rollout_workers: int = 1
     threads_per_worker: int = 1
     torch_threads: int = 1  # per process; 2-core machines oversubscribe otherwise

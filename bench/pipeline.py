@@ -23,12 +23,12 @@ def trainer_alone(spec, model_path: str, steps: int) -> float:
     """Optimiser steps/s on real rollouts generated once up front (the trainer never waits)."""
     import dataclasses
 
+    from astratk.contracts import SamplingParams
     from astratk.dataflow.advantages import get_advantage
+    from astratk.dataflow.datalayer import Lease
     from astratk.engines.torch_engine import TorchEngine
     from astratk.records import Group
     from astratk.rollout.service import _groups_by_role
-    from astratk.dataflow.datalayer import Lease
-    from astratk.contracts import SamplingParams
     from astratk.training.collate import collate
     from astratk.training.module import PolicyModule
 

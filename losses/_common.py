@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from astratk.contracts import LossInputs
 
 LOG_RATIO_CLAMP = 20.0  # ALGORITHMS notation: clamp log r to [-20, 20] before exp
 
@@ -40,3 +44,24 @@ def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return -masked_max(-x, valid)
+
+
+class Tokens(NamedTuple):
+    """The per-token view every loss starts from: masked inputs, the rollout-anchored ratio. All [B, T]."""
+
+    valid: torch.Tensor  # bool, the tokens that count
+    mask: torch.Tensor  # float in logprobs' dtype
+    logp: torch.Tensor  # log pi, gradient flows here
+    logmu: torch.Tensor  # log mu, detached
+    adv: torch.Tensor  # advantages, detached
+    log_r: torch.Tensor  # clamped log pi - log mu
+    r: torch.Tensor  # exp(log_r), not truncated
+
+
+def tokens(inputs: LossInputs) -> Tokens:
+    valid = inputs.loss_mask.bool()
+    logp = sanitize(inputs.logprobs, valid)
+    logmu = sanitize(inputs.behavior_logprobs.detach(), valid)
+    log_r = log_ratio(logp, logmu)
+    return Tokens(valid=valid, mask=inputs.loss_mask.to(inputs.logprobs.dtype), logp=logp, logmu=logmu,
+                  adv=sanitize(inputs.advantages.detach(), valid), log_r=log_r, r=torch.exp(log_r))

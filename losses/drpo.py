@@ -22,9 +22,9 @@ explicitly and say so in the run config.
 from __future__ import annotations
 
 import torch
+from astratk.losses._common import k3_kl, masked_max, masked_mean, masked_min, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
-from astratk.losses._common import k3_kl, log_ratio, masked_max, masked_mean, masked_min, sanitize
 
 
 def drpo_gradient_weight(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -63,14 +63,7 @@ class DRPO(PolicyLoss):
         return f"DRPO(delta={self.delta})"
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
-        valid = inputs.loss_mask.bool()  # [B, T]
-        mask = inputs.loss_mask.to(inputs.logprobs.dtype)  # [B, T]
-        logp = sanitize(inputs.logprobs, valid)  # [B, T] grad flows here
-        logmu = sanitize(inputs.behavior_logprobs.detach(), valid)  # [B, T]
-        adv = sanitize(inputs.advantages.detach(), valid)  # [B, T]
-
-        log_r = log_ratio(logp, logmu)  # [B, T]
-        r = torch.exp(log_r)  # [B, T] not truncated
+        valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
         mu = torch.exp(logmu)  # [B, T] detached
         penalty = adv.abs() * mu * (r - 1.0) ** 2 / (2.0 * self.delta)  # [B, T]
         token_losses = (-adv * r + penalty) * mask  # [B, T] Eq. 8

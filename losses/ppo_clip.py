@@ -13,9 +13,9 @@ token cannot produce an unbounded push (gradient 0 once r > c).
 from __future__ import annotations
 
 import torch
+from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
-from astratk.losses._common import k3_kl, log_ratio, masked_max, masked_mean, sanitize
 
 
 class PPOClip(PolicyLoss):
@@ -50,14 +50,7 @@ class PPOClip(PolicyLoss):
         return f"PPOClip(eps_low={self.eps_low}, eps_high={self.eps_high}, dual_clip={self.dual_clip})"
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
-        valid = inputs.loss_mask.bool()  # [B, T]
-        mask = inputs.loss_mask.to(inputs.logprobs.dtype)  # [B, T]
-        logp = sanitize(inputs.logprobs, valid)  # [B, T] grad flows here
-        logmu = sanitize(inputs.behavior_logprobs.detach(), valid)  # [B, T]
-        adv = sanitize(inputs.advantages.detach(), valid)  # [B, T]
-
-        log_r = log_ratio(logp, logmu)  # [B, T]
-        r = torch.exp(log_r)  # [B, T]
+        valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
         unclipped = -adv * r  # [B, T]
         clipped = -adv * r.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)  # [B, T]
         loss = torch.maximum(unclipped, clipped)  # [B, T]

@@ -41,6 +41,14 @@ class RunResult:
         return (f"RunResult({self.run_dir}, accuracy {s.get('accuracy_before', float('nan')):.3f} -> "
                 f"{s.get('accuracy_after', float('nan')):.3f})")
 
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}"
+                       "</td></tr>" for k, v in self.summary.items())
+        files = "".join(f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in self.files.items())
+        return f"<b>astratk run</b> <code>{html.escape(str(self.run_dir))}</code><table>{rows}</table><ul>{files}</ul>"
+
 
 class Run:
     def __init__(self, spec: RunSpec, printer: Callable[[str], None] = print) -> None:

@@ -54,13 +54,11 @@ class Session:
         from distributed import Client
 
         from astratk.models import ensure_model
-        from astratk.rollout.service import RunContext
+        from astratk.rollout.service import RunContext, _quiet_transformers
         from astratk.runtime.cluster import start_local_cluster
         from astratk.runtime.deploy import deploy, publish_initial
         from astratk.runtime.evaluation import Evaluator
         from astratk.weights.store import WeightStore
-
-        from astratk.rollout.service import _quiet_transformers
 
         _quiet_transformers()
         _quiet_dask()
@@ -75,7 +73,7 @@ class Session:
         if spec.cluster.scheduler_address:
             self.client = Client(spec.cluster.scheduler_address, timeout=spec.cluster.startup_timeout_s)
         else:
-            cluster = start_local_cluster(spec)
+            cluster = start_local_cluster(spec, processes=spec.cluster.processes)
             self._closers.append(cluster.close)
             self.client = Client(cluster)
         self._closers.insert(0, self.client.close)
@@ -105,7 +103,7 @@ class Session:
     # ------------------------------------------------------------------------------------------------- train
     def train(self) -> dict[str, Any]:
         pid = self.policy.policy_id
-        self.print(f"evaluating the warm-start model (v0) on the held-out split...")
+        self.print("evaluating the warm-start model (v0) on the held-out split...")
         base = self.evaluator.evaluate(0)
         trainer, module, stream, recorder = self._build_trainer()
         t0 = time.time()

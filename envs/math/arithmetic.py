@@ -26,8 +26,9 @@ import itertools
 import random
 from collections.abc import Iterator, Mapping, Sequence
 
-from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
 from astratk.envs.chat import encode_chat, stop_token_ids
+
+from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
 from astratk.records import Task, Trajectory
 
 LEVELS = {

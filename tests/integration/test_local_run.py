@@ -9,18 +9,27 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.losses.drpo import DRPO
+
 from astratk.metrics import load
 from astratk.runtime.run import Run
-from astratk.spec import (ClusterSpec, DataflowSpec, EvalSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec,
-                          TinyModelSpec, TrainerSpec)
+from astratk.spec import (
+    ClusterSpec,
+    DataflowSpec,
+    EvalSpec,
+    ModelSpec,
+    PolicySpec,
+    RolloutSpec,
+    RunSpec,
+    TinyModelSpec,
+    TrainerSpec,
+)
 
 pytestmark = pytest.mark.integration
 
 
-def small_spec(tmp_path, **trainer) -> RunSpec:
+def small_spec(tmp_path, processes: bool = True, **trainer) -> RunSpec:
     tiny = TinyModelSpec(warm_start_steps=30, warm_start_batch=32)
     return RunSpec(
         name="it", output_dir=str(tmp_path / "runs"),
@@ -29,7 +38,7 @@ def small_spec(tmp_path, **trainer) -> RunSpec:
                              trainer=TrainerSpec(**{"max_steps": 6, "groups_per_step": 4, **trainer}))],
         rollout=RolloutSpec(group_size=4, max_new_tokens=6, tasks_per_chunk=4),
         dataflow=DataflowSpec(max_staleness=8, filter_zero_variance=False),
-        cluster=ClusterSpec(rollout_workers=1, startup_timeout_s=120),
+        cluster=ClusterSpec(rollout_workers=1, startup_timeout_s=120, processes=processes),
         eval=EvalSpec(interval_s=2.0, max_tasks=32, timeout_s=120),
     )
 
@@ -54,3 +63,10 @@ def test_local_run_advances_versions_and_writes_metrics(tmp_path):
     assert any("held-out accuracy" in line for line in lines)
     # every sample is accounted for: admitted groups were served or are still buffered, or were counted as dropped
     assert float(ds["data_groups_admitted"].sel(policy="main")) >= 6 * 4
+
+
+def test_threads_cluster_runs_the_same_path(tmp_path):
+    """`cluster.processes: false` (the notebook/debugger mode) runs the same code path inside this process."""
+    result = Run(small_spec(tmp_path, processes=False, max_steps=3), printer=lambda s: None).start()
+    assert result.summary["steps"] == 3 and result.summary["final_version"] == 3
+    assert "<table>" in result._repr_html_()

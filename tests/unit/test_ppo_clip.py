@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from astratk.losses.ppo_clip import PPOClip
 
 from astratk.contracts import LossInputs
-from astratk.losses.ppo_clip import PPOClip
 
 DT = torch.float64
 
