@@ -36,13 +36,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from astratk.contracts import Completion, GenerationRequest
+from astratk.models.loading import load_causal_lm
 from astratk.training.logprobs import logprobs_from_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -184,7 +185,7 @@ class TorchEngine:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         path = os.fspath(model_path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+        model = load_causal_lm(str(path), _DTYPES[dtype], device)
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed)

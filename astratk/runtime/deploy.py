@@ -55,7 +55,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0) -> Deploym
 
 def publish_initial(store: WeightStore, policy_id: str, model_path: str) -> None:
     """Version 0 = the model directory's weights, so services catch up from the store like any later version."""
-    from transformers import AutoModelForCausalLM
+    from astratk.models.loading import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(model_path)
+    model = load_causal_lm(model_path)
     store.publish(policy_id, 0, {k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -15,9 +15,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from transformers import AutoModelForCausalLM
 
 from astratk.contracts import LossInputs, PolicyLoss
+from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
 from astratk.training.aggregation import aggregate
 from astratk.training.logprobs import token_logprobs
@@ -29,7 +29,7 @@ class PolicyModule(pl.LightningModule):
                  aggregation: str = "seq-mean-token-sum-norm", horizon: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["loss"])
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = load_causal_lm(model_path, torch.float32)
         self.model.train()  # from_pretrained returns eval mode; Lightning warns about eval-mode modules in fit
         self.loss = loss
         self.policy_id = policy_id
