@@ -8,6 +8,7 @@ thread by default (2-core laptops oversubscribe otherwise). Everything binds to 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from astratk.spec import RunSpec
@@ -19,11 +20,9 @@ def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, A
     from distributed import Nanny, Worker
 
     cls = Nanny if processes else Worker
-    env = {k: str(spec.cluster.torch_threads) for k in THREAD_ENV}
-    env["DASK_LOGGING__DISTRIBUTED"] = "warning"  # worker INFO lines would drown the run's progress
     common: dict[str, Any] = {"host": "127.0.0.1", "nthreads": spec.cluster.threads_per_worker}
     if processes:
-        common["env"] = env
+        common["silence_logs"] = logging.WARNING  # worker INFO lines would drown the run's progress
     rollout = {f"rollout_{p.policy_id}": 1 for p in spec.policies} | {"score": 1}
     workers = {"control": {"cls": cls, "options": {**common, "nthreads": 1, "resources": {"control": 1}}}}
     for i in range(spec.cluster.rollout_workers):
@@ -35,9 +34,17 @@ def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
     """A SpecCluster with a control worker and labelled rollout workers (`deploy` waits for them, with a timeout)."""
     from distributed import Scheduler, SpecCluster
 
+    import dask
+
     dashboard = "127.0.0.1:0" if spec.cluster.dashboard else None
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": dashboard}}
-    return SpecCluster(workers=worker_specs(spec, processes), scheduler=scheduler, name="astratk")
+    # Thread counts must be in a worker's environment before it imports numpy/torch, so they go in the nannies'
+    # pre-spawn environment (read when each nanny is made, reused when it restarts a dead worker).
+    pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
+    pre_spawn.update({k: str(spec.cluster.torch_threads) for k in THREAD_ENV})
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": pre_spawn}):
+        return SpecCluster(workers=worker_specs(spec, processes), scheduler=scheduler, name="astratk",
+                           silence_logs=logging.WARNING)
 
 
 def wait_for_workers(client: Any, resources: list[str], n: int, timeout: float) -> None:
