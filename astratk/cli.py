@@ -1,4 +1,4 @@
-"""`astratk` command line. `astratk run --config tutorials/quickstart.yaml [--trainer.lr 1e-3 ...]`.
+"""`astratk` command line. `astratk run --config tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
 
 Subcommands: `run` (a whole local job). `deploy`, `train fit` and `status` (cluster jobs) arrive with issue 7.
 """

@@ -59,8 +59,11 @@ def test_in_process_path_trains_and_versions_reach_rollouts(model_dir, tmp_path)
     module = PolicyModule(path, DRPO(delta=0.2), lr=1e-3, horizon=4)
     before = {k: v.clone() for k, v in module.model.state_dict().items()}
 
+    first_step: dict[str, float] = {}
+
     class RolloutBetweenSteps(pl.Callback):  # stands in for the asynchronous acquisition loop
-        def on_train_batch_end(self, *args):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            first_step.update(first_step or pl_module.step_metrics)
             roll_and_admit()
 
     publisher = WeightPublisher(store, handle, "main", every=1)
@@ -69,6 +72,11 @@ def test_in_process_path_trains_and_versions_reach_rollouts(model_dir, tmp_path)
                          callbacks=[publisher, RolloutBetweenSteps()])
     trainer.fit(module, datamodule=RolloutDataModule(stream))
 
+    # step 0 trains on-policy (sampled by v0, trained at v0): through the real tokenizer, chat template, engine and
+    # collate, the trainer's log-probs equal the engine's, so every ratio is 1 (to fp32 round-off)
+    assert abs(first_step["train/main/loss/ratio_max"] - 1.0) < 1e-4
+    assert abs(first_step["train/main/loss/ratio_mean"] - 1.0) < 1e-5
+    assert first_step["train/main/loss/tv_max"] < 1e-5
     assert [r.version for r in publisher.refs] == [1, 2]
     assert handle.call("version", "main") == 2
     changed = any(not torch.equal(before[k], v) for k, v in module.model.state_dict().items())
