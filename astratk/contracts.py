@@ -120,7 +120,14 @@ class LossInputs:
     behavior_logprobs: torch.Tensor  # [B, T] log mu from the engine that sampled
     advantages: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] 1 on policy-produced completion tokens
-    weights: torch.Tensor | None = None  # [B, T] per-token weights from serving stages (staleness decay...)
+    weights: torch.Tensor | None = None  # [B, T] per-token weights (serving stages, mismatch corrections); they scale
+    #   token_losses but never the returned mask, so they do not change aggregation denominators
+    # Filled by the trainer only when the loss asks for them (PolicyLoss.needs_*):
+    proximal_logprobs: torch.Tensor | None = None  # [B, T] log pi_old: the trainer's no-grad forward at the start
+    #   of the step (ALGORITHMS §1); recompute-anchored ablations, M2PO's clip form, TIS/MIS
+    topk_ids: torch.Tensor | None = None  # [B, T, K] int64, the engine's top-K token ids at each position
+    topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] log mu of those ids (sampling temperature)
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K] log pi of those ids (requires grad)
 
 
 @dataclass
@@ -131,9 +138,17 @@ class LossOutputs:
 
 
 class PolicyLoss(abc.ABC):
-    """A policy loss. `required_aggregation` is None unless the loss only makes sense with one mode (GSPO)."""
+    """A policy loss. `required_aggregation` is None unless the loss only makes sense with one mode (GSPO).
+
+    Declarations the trainer reads before a step: `needs_proximal` (fill `LossInputs.proximal_logprobs`),
+    `needs_topk` (K > 0: ask the engine for top-K log-probs and fill the `topk_*` fields), `batch_statistics`
+    (the loss computes statistics over the whole batch, e.g. M2PO's second moment: under DDP the trainer passes
+    all-reduced values through `reduce`)."""
 
     required_aggregation: str | None = None
+    needs_proximal: bool = False
+    needs_topk: int = 0
+    batch_statistics: bool = False
 
     @abc.abstractmethod
     def __call__(self, inputs: LossInputs) -> LossOutputs: ...
