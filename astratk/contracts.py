@@ -13,7 +13,7 @@ Extending:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -128,6 +128,8 @@ class LossInputs:
     topk_ids: torch.Tensor | None = None  # [B, T, K] int64, the engine's top-K token ids at each position
     topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] log mu of those ids (sampling temperature)
     topk_logprobs: torch.Tensor | None = None  # [B, T, K] log pi of those ids (requires grad)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sum over data-parallel ranks (all-reduce) for
+    #   batch-wide statistics; None = single process (identity)
 
 
 @dataclass
