@@ -32,13 +32,15 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    top_k_logprobs: int = 0  # reserved for DPPO's Top-K divergences (issue 3)
+    top_k_logprobs: int = 0  # K > 0: return the top-K log-probs per token (DPPO's Top-K divergences), K <= 20
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.top_k_logprobs <= 20:
+            raise ValueError(f"top_k_logprobs must be in [0, 20], got {self.top_k_logprobs}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class Completion:
     logprobs: tuple[float, ...]  # log mu(token) of the distribution actually sampled (temperature applied)
     versions: tuple[int, ...]  # weight version that produced each token
     finish_reason: Literal["stop", "length"]
+    # With `SamplingParams.top_k_logprobs = K > 0`: per token, the K most likely ids of the sampled distribution and
+    # their log-probs (same temperature as `logprobs`), most likely first. Empty otherwise.
+    topk_ids: tuple[tuple[int, ...], ...] = ()
+    topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 @runtime_checkable

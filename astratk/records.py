@@ -52,12 +52,19 @@ class Trajectory:
     service: str = ""  # the rollout service (worker) that produced it
     metrics: dict[str, float] = field(default_factory=dict)
     text: str = ""  # the completion as the env decoded it (graders read this; envs own tokenizers)
+    # Only when the run's loss needs them (DPPO Top-K): per completion token, the engine's top-K ids and log-probs;
+    # env tokens get empty tuples. Length len(tokens) - n_prompt, or empty.
+    behavior_topk_ids: tuple[tuple[int, ...], ...] = ()
+    behavior_topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.tokens) - self.n_prompt
         if n < 0:
             raise ValueError(f"trajectory {self.group_id}: n_prompt={self.n_prompt} > len(tokens)={len(self.tokens)}")
-        for name in ("loss_mask", "behavior_logprobs", "behavior_versions"):
+        names = ("loss_mask", "behavior_logprobs", "behavior_versions")
+        if self.behavior_topk_ids or self.behavior_topk_logprobs:
+            names += ("behavior_topk_ids", "behavior_topk_logprobs")
+        for name in names:
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"trajectory {self.group_id}: len({name})={len(getattr(self, name))} must equal the completion "
@@ -135,6 +142,8 @@ class TrainBatch:
     versions: torch.Tensor  # [B, T] int64, behaviour version per token, -1 off the completion
     n_groups: int = 0
     rewards: torch.Tensor | None = None  # [B] float32
+    topk_ids: torch.Tensor | None = None  # [B, T, K] int64, engine's top-K ids (0 off the completion)
+    topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] float32, their log mu (0 off the completion)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

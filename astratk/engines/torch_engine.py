@@ -154,6 +154,12 @@ def _sample(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, step
     return tokens, logprobs_from_logits(logits, tokens, t)
 
 
+def _topk_logprobs(logits: torch.Tensor, temps: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K log-probs [B, K] and ids [B, K] of the distribution sampled (temperature applied; untempered for T=0)."""
+    t = torch.where(temps == 0, torch.ones_like(temps), temps).unsqueeze(1)
+    return torch.log_softmax(logits.float() / t, dim=-1).topk(k, dim=-1)
+
+
 # ------------------------------------------------------------------------------------------------------ engine
 
 
@@ -347,18 +353,26 @@ class TorchEngine:
     def _run_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
         with self._weights_lock, torch.inference_mode():
             version = self._version
-            tokens, logprobs, lengths, stopped = self._decode(requests)
+            tokens, logprobs, lengths, stopped, top_ids, top_lp = self._decode(requests)
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
-        out = [Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), (version,) * n,
-                          "stop" if stopped[i] else "length") for i, n in enumerate(lengths)]
+        top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
+        out = []
+        for i, n in enumerate(lengths):
+            k = requests[i].params.top_k_logprobs
+            topk = ((tuple(tuple(row[:k]) for row in top_ids[i][:n]), tuple(tuple(row[:k]) for row in top_lp[i][:n]))
+                    if k and top_ids is not None else ((), ()))
+            out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), (version,) * n,
+                                  "stop" if stopped[i] else "length", *topk))
         s = self._stats
         s.update(batches=s["batches"] + 1, requests=s["requests"] + len(requests), tokens=s["tokens"] + sum(lengths),
                  max_batch_seen=max(s["max_batch_seen"], len(requests)))
         return out
 
     def _decode(self, requests: list[GenerationRequest]):
-        """Prefill + decode one batch. Returns tokens [B, N], logprobs [B, N], lengths [B], stopped [B] on CPU."""
+        """Prefill + decode one batch. Returns tokens [B, N], logprobs [B, N], lengths [B], stopped [B] and, when a
+        request asks for top-K log-probs, top-K ids and log-probs [B, N, K] (else None, None), all on CPU."""
         dev, b, n = self._device, len(requests), max(r.params.max_tokens for r in requests)
+        k = max(r.params.top_k_logprobs for r in requests)
         ids, mask, next_pos = _left_padded([r.prompt_ids for r in requests], n, dev)  # [B, P], [B, P+N], [B]
         p = ids.shape[1]
         temps = torch.tensor([r.params.temperature for r in requests], device=dev)  # [B]
@@ -373,11 +387,15 @@ class TorchEngine:
                              use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         out_tokens, out_lp = torch.zeros(b, n, dtype=torch.long, device=dev), torch.zeros(b, n, device=dev)
         lengths, stopped = torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.bool, device=dev)
+        top_ids = torch.zeros(b, n, k, dtype=torch.long, device=dev) if k else None
+        top_lp = torch.zeros(b, n, k, device=dev) if k else None
         rows = torch.arange(b, device=dev)  # original index of each row still in the batch
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         for step in range(n):
             tok, lp = _sample(logits, temps, seeds, step)
             out_tokens[rows, step], out_lp[rows, step] = tok, lp
+            if k:
+                top_lp[rows, step], top_ids[rows, step] = _topk_logprobs(logits, temps, k)
             hit = (tok.unsqueeze(1) == stops).any(1)
             done = alive & (hit | (budgets <= step + 1))
             lengths[rows[done]] = step + 1
@@ -395,7 +413,8 @@ class TorchEngine:
                                  position_ids=next_pos.unsqueeze(1), past_key_values=cache,
                                  use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
-        return out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu()
+        cpu = (lambda x: None if x is None else x.cpu())
+        return out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu(), cpu(top_ids), cpu(top_lp)
 
     def _row_seeds(self, requests: list[GenerationRequest]) -> torch.Tensor:
         """[B] int64: the request's seed, or one drawn from the engine's generator."""

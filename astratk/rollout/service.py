@@ -125,10 +125,12 @@ class RolloutService:
         start = time.perf_counter()
         r = self.spec.rollout
         engines = {role: self.engine(pid) for role, pid in lease.routes.items()}
+        # top-K log-probs only when a routed policy's loss needs them (DPPO Top-K): they cost memory per token
+        top_k = max(self.spec.policy(pid).loss.needs_topk for pid in lease.routes.values())
+        sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, top_k_logprobs=top_k)
         episodes = await asyncio.gather(*(
-            self.env.rollout(lease.task, engines, SamplingParams(temperature=r.temperature,
-                                                                 max_tokens=r.max_new_tokens),
-                             policy_ids=lease.routes, group_id=f"{lease.lease_id}/{i}")
+            self.env.rollout(lease.task, engines, sampling, policy_ids=lease.routes,
+                             group_id=f"{lease.lease_id}/{i}")
             for i in range(r.group_size)))
         groups = _groups_by_role(lease, [t for episode in episodes for t in episode], self.name)
         return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, self.name)

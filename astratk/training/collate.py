@@ -1,7 +1,8 @@
 """Collate the groups the data layer serves into a padded `TrainBatch` (trainer-side; DESIGN §2).
 
 Alignment: position t of every [B, T] tensor describes the prediction of token t + 1, so completion token j of a
-trajectory (absolute index n_prompt + j) sits at position n_prompt + j - 1.
+trajectory (absolute index n_prompt + j) sits at position n_prompt + j - 1. Top-K tensors [B, T, K] are built only
+when every trajectory carries top-K log-probs (K = the smallest K among them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
     weights = torch.zeros((b, T))
     versions = torch.full((b, T), -1, dtype=torch.long)
     rewards = torch.zeros(b)
+    k = min((len(t.behavior_topk_ids[0]) if t.behavior_topk_ids else 0 for t, _ in rows), default=0)
+    top_ids = torch.zeros((b, T, k), dtype=torch.long) if k else None
+    top_lp = torch.zeros((b, T, k)) if k else None
     for i, (traj, adv) in enumerate(rows):
         n, p = len(traj.tokens), traj.n_prompt
         input_ids[i, :n] = torch.tensor(traj.tokens, dtype=torch.long)
@@ -39,9 +43,14 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         weights[i, span] = mask
         versions[i, span] = torch.tensor(traj.behavior_versions, dtype=torch.long)
         rewards[i] = float(traj.reward if traj.reward is not None else 0.0)
+        if k:  # env tokens carry empty tuples: they stay 0 (and loss_mask 0)
+            for j, (ids, lps) in enumerate(zip(traj.behavior_topk_ids, traj.behavior_topk_logprobs)):
+                if ids:
+                    top_ids[i, p - 1 + j] = torch.tensor(ids[:k])
+                    top_lp[i, p - 1 + j] = torch.tensor(lps[:k])
     return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                       behavior_logprobs=behavior, advantages=advantages, weights=weights, versions=versions,
-                      n_groups=len(groups), rewards=rewards)
+                      n_groups=len(groups), rewards=rewards, topk_ids=top_ids, topk_behavior_logprobs=top_lp)
 
 
 def _advantages(group: Group) -> Sequence[float]:

@@ -114,7 +114,8 @@ class ArithmeticEnv(Env):
         tok = engine.tokenizer
         prompt = encode_chat(tok, self.messages(task))
         params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                stop_token_ids=stop_token_ids(tok), seed=sampling.seed)
+                                stop_token_ids=stop_token_ids(tok), seed=sampling.seed,
+                                top_k_logprobs=sampling.top_k_logprobs)
         [c] = await engine.generate([GenerationRequest(tuple(prompt), params)])
         text = tok.decode(list(c.token_ids), skip_special_tokens=True)
         n = len(c.token_ids)
@@ -122,7 +123,8 @@ class ArithmeticEnv(Env):
                            tokens=tuple(prompt) + c.token_ids, n_prompt=len(prompt), loss_mask=(1,) * n,
                            behavior_logprobs=c.logprobs, behavior_versions=c.versions,
                            finished=c.finish_reason == "stop", text=text,
-                           metrics={"completion_tokens": float(n)})]
+                           metrics={"completion_tokens": float(n)}, behavior_topk_ids=c.topk_ids,
+                           behavior_topk_logprobs=c.topk_logprobs)]
 
     # --------------------------------------------------------------------------------------------------- score
     def grade(self, task: Task, text: str) -> float:

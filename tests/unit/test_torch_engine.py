@@ -322,3 +322,46 @@ def test_sampled_frequencies_match_reported_distribution(temperature):
     assert ((freq - p.double()).abs() <= 5 * se + 1e-4).all(), (freq, p)
     tokens_next, _ = _sample(logits, temps, torch.arange(20000), step=4)
     assert (tokens_next != tokens).float().mean() > 0.3  # a fresh draw per token index
+
+
+def test_topk_logprobs_match_full_distribution_and_collate():
+    """Top-K log-probs per token are the K largest of the sampled distribution (temperature applied), most likely
+    first, and the sampled token's log-prob is consistent with them; collate lays them out [B, T, K]."""
+    import asyncio
+
+    from astratk.contracts import GenerationRequest, SamplingParams
+    from astratk.records import Group, Task, Trajectory
+    from astratk.training.collate import collate
+
+    model = _topk_model()
+    engine = TorchEngine.from_model(model)
+    req = GenerationRequest((3, 4, 5, 6), SamplingParams(temperature=0.7, max_tokens=5, seed=1, top_k_logprobs=4))
+    plain = GenerationRequest((3, 4, 5), SamplingParams(temperature=0.7, max_tokens=3, seed=2))
+    c, c_plain = asyncio.run(engine.generate([req, plain]))
+    engine.close()
+    assert c_plain.topk_ids == () and len(c.topk_ids) == len(c.token_ids) and len(c.topk_ids[0]) == 4
+    ids = torch.tensor([list(req.prompt_ids) + list(c.token_ids)])
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids).logits[0, 3:-1].float() / 0.7, -1)  # [N, V]
+    for j, (top_ids, top_lp) in enumerate(zip(c.topk_ids, c.topk_logprobs)):
+        want_lp, want_ids = full[j].topk(4)
+        assert list(top_ids) == want_ids.tolist()
+        assert torch.allclose(torch.tensor(top_lp), want_lp, atol=1e-5)
+        assert c.logprobs[j] <= top_lp[0] + 1e-6
+    n = len(c.token_ids)
+    traj = Trajectory(task_id="t", group_id="g/0", policy_id="main", role="policy", tokens=req.prompt_ids + c.token_ids,
+                      n_prompt=4, loss_mask=(1,) * n, behavior_logprobs=c.logprobs, behavior_versions=c.versions,
+                      reward=1.0, behavior_topk_ids=c.topk_ids, behavior_topk_logprobs=c.topk_logprobs)
+    batch = collate([Group("g", Task("t", "e", "p"), "main", (traj,), advantages=(0.5,))], pad_id=0)
+    assert batch.topk_ids.shape == (1, 3 + n, 4)
+    assert batch.topk_ids[0, 3].tolist() == list(c.topk_ids[0]) and batch.topk_ids[0, 2].tolist() == [0] * 4
+    assert torch.allclose(batch.topk_behavior_logprobs[0, 3], torch.tensor(c.topk_logprobs[0]))
+
+
+def _topk_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=True, initializer_range=0.1)
+    return Qwen2ForCausalLM(cfg).eval()
