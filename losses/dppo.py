@@ -1,0 +1,205 @@
+"""DPPO: divergence trust region with a hard mask (arXiv 2602.04879; ALGORITHMS §1, §2).
+
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1; log r clamped to +-20):
+
+    M_t = 0  iff  (A > 0 and pi > mu and D_t > delta)  or  (A < 0 and pi < mu and D_t > delta),  else 1
+    l_t = -A_t * sg(min(r_t, C)) * M_t * log pi_t            (the authors' form; sg(r) when C is None)
+
+so the gradient coefficient on A grad log pi is min(r, C) * M: a token moving *away* from mu beyond the divergence
+radius gets exactly zero gradient; a token moving back toward mu is never masked. D and M carry no gradient.
+Divergences D_t (arXiv 2602.04879, §4 and App. B), all estimated on partitions of the vocabulary, so each is a lower
+bound of the true divergence (Binary <= Top-K <= full vocabulary):
+- binary_tv: |pi - mu| (cells {sampled, rest}; the 1/2 cancels on two cells). Default delta 0.15.
+- binary_kl: mu log(mu / pi) + (1 - mu) log((1 - mu + 1e-8) / (1 - pi + 1e-8)). Default delta 0.05.
+- topk_tv / topk_kl: cells = the engine's top-K tokens, the sampled token, and one "rest" cell (1 - the others,
+  clamped at 1e-12); TV = 1/2 sum |p_mu - p_pi|, KL = sum p_mu log(p_mu / p_pi). The paper found no gain over Binary.
+C (`clip_ratio`) truncates the ratio: 5 in the paper's scaling runs, 10 in the authors' code; None disables it.
+anchor="recompute" (ablation only; the paper's Takeaway 2 is that it collapses) anchors r and D on the trainer's
+proximal log-probs pi_old instead of mu.
+
+Notes:
+- The scalar value of l_t is NOT the surrogate's value (-A r M); only the gradients agree (where r <= C). Compare
+  gradients, not losses, across implementations.
+- Masked tokens keep their place in the returned mask (the aggregation denominator); only their gradient is 0.
+- Top-K: LossInputs has no sampled-token id, so the sampled token is matched to the top-K entry whose log mu is
+  within SAMPLED_MATCH_TOL of its own (the nearest one), and that entry is dropped to avoid counting it twice. Exact
+  float equality is not enough: engines compute the two log-probs by different kernels (~1e-6 apart). A false match
+  (a near-tie) only merges that entry into the rest cell, which is still a partition, hence still a lower bound.
+  Missing top-K entries must be padded with log mu = -inf (zero mass). topk_logprobs are used without gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from astratk.losses._common import k3_kl, masked_max, masked_mean, sanitize, tokens
+
+from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+
+DIVERGENCES = ("binary_kl", "binary_tv", "topk_kl", "topk_tv")
+ANCHORS = ("behavior", "recompute")
+MAX_TOP_K = 20  # what inference engines return (vLLM's default max_logprobs); the paper's K
+REST_FLOOR = 1e-12  # clamp on the "rest" cell's mass (ALGORITHMS §2)
+BINARY_KL_EPS = 1e-8  # inside the (1 - p) logs of Binary-KL
+SAMPLED_MATCH_TOL = 1e-4  # |log mu_sampled - log mu_topk| at which the sampled token counts as that top-K entry
+
+
+def binary_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor) -> torch.Tensor:
+    """Binary-TV or Binary-KL ("tv" / "kl") between pi and mu on {sampled, rest}. [B, T], [B, T] -> [B, T], detached."""
+    logp, logmu = logp.detach(), logmu.detach()
+    if kind == "tv":
+        return (logp.exp() - logmu.exp()).abs()
+    one_minus_mu, one_minus_pi = -torch.expm1(logmu), -torch.expm1(logp)  # 1 - p, accurate for p near 0
+    return logmu.exp() * (logmu - logp) + one_minus_mu * (
+        torch.log(one_minus_mu + BINARY_KL_EPS) - torch.log(one_minus_pi + BINARY_KL_EPS))
+
+
+def topk_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, topk_logp: torch.Tensor,
+                    topk_logmu: torch.Tensor) -> torch.Tensor:
+    """Top-K TV or KL on {top-K of mu, sampled, rest}. [B, T], [B, T], [B, T, K], [B, T, K] -> [B, T], detached."""
+    logp, logmu, topk_logp, topk_logmu = (x.detach() for x in (logp, logmu, topk_logp, topk_logmu))
+    gap = (topk_logmu - logmu.unsqueeze(-1)).abs().nan_to_num(float("inf"))  # [B, T, K]
+    nearest = gap.min(-1, keepdim=True)  # [B, T, 1] values and indices
+    dup = torch.zeros_like(gap, dtype=torch.bool).scatter_(-1, nearest.indices, nearest.values <= SAMPLED_MATCH_TOL)
+
+    def cells(top: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:  # -> [B, T, K + 2] probabilities
+        p = torch.cat([top.exp().masked_fill(dup, 0.0), sampled.exp().unsqueeze(-1)], dim=-1)  # [B, T, K + 1]
+        return torch.cat([p, (1.0 - p.sum(-1, keepdim=True)).clamp_min(REST_FLOOR)], dim=-1)
+
+    p_mu, p_pi = cells(topk_logmu, logmu), cells(topk_logp, logp)
+    if kind == "tv":
+        return 0.5 * (p_mu - p_pi).abs().sum(-1)
+    return (torch.xlogy(p_mu, p_mu) - torch.xlogy(p_mu, p_pi.clamp_min(REST_FLOOR))).sum(-1)
+
+
+def dppo_keep(adv: torch.Tensor, logp: torch.Tensor, logmu: torch.Tensor, div: torch.Tensor,
+              delta: float) -> torch.Tensor:
+    """M_t as bool [B, T]: False iff the token moves away from mu (sign of A) and D_t > delta."""
+    away = ((adv > 0) & (logp > logmu)) | ((adv < 0) & (logp < logmu))
+    return ~(away & (div > delta))
+
+
+class DPPO(PolicyLoss):
+    """DPPO per-token loss (arXiv 2602.04879). Pair with `seq-mean-token-sum-norm` and Dr.GRPO advantages.
+
+    Example (delta 0.15: token 0 moves mu 0.5 -> pi 0.7 with A > 0, |pi - mu| = 0.2 > 0.15, so it is masked; token 1
+    moves to 0.6, inside the region, and gets the full gradient -A r = -1.2):
+        >>> import torch
+        >>> from astratk.contracts import LossInputs
+        >>> lp = torch.log(torch.tensor([[0.7, 0.6]])).requires_grad_()
+        >>> out = DPPO()(LossInputs(logprobs=lp, behavior_logprobs=torch.log(torch.tensor([[0.5, 0.5]])),
+        ...                         advantages=torch.tensor([[1.0, 1.0]]), loss_mask=torch.ones(1, 2)))
+        >>> out.token_losses.sum().backward()
+        >>> lp.grad[0, 0].item() == 0.0, round(lp.grad[0, 1].item(), 4)
+        (True, -1.2)
+        >>> round(out.metrics["masked_frac"].item(), 4), out.mask.tolist()  # masked tokens stay in the denominator
+        (0.5, [[1.0, 1.0]])
+    """
+
+    def __init__(self, divergence: str = "binary_tv", delta: float | None = None, clip_ratio: float | None = None,
+                 anchor: str = "behavior", top_k: int = 20) -> None:
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"unknown DPPO divergence {divergence!r}; choose one of {sorted(DIVERGENCES)} "
+                             "(binary_tv is the paper's default)")
+        if delta is None:
+            delta = 0.15 if divergence.endswith("tv") else 0.05
+        if not delta > 0:  # also rejects NaN
+            raise ValueError(f"delta must be > 0 (the divergence radius of the trust region, ALGORITHMS §2); got "
+                             f"{delta}. The paper uses 0.15 (or 0.2) for TV and 0.05 for KL; None picks these")
+        if clip_ratio is not None and not clip_ratio >= 1:
+            raise ValueError(f"clip_ratio must be >= 1 (C truncates r; C < 1 would truncate on-policy tokens, r = 1); "
+                             f"got {clip_ratio}. The paper uses 5 (scaling runs) or 10 (code); None disables it")
+        if anchor not in ANCHORS:
+            raise ValueError(f"unknown DPPO anchor {anchor!r}; choose one of {list(ANCHORS)} ('behavior', the engine's "
+                             "log-probs, is the paper's recommendation; 'recompute' is an ablation)")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an int in [1, {MAX_TOP_K}] (engines return at most {MAX_TOP_K} "
+                             f"log-probs per position); got {top_k!r}")
+        if anchor == "recompute" and divergence.startswith("topk"):
+            raise ValueError(f"DPPO(divergence={divergence!r}, anchor='recompute') is not supported: the trainer "
+                             "does not compute top-K log-probs at the proximal weights. Use anchor='behavior' (the "
+                             "paper's recommendation) or a binary divergence")
+        self.divergence, self.delta, self.anchor, self.top_k = divergence, float(delta), anchor, top_k
+        self.clip_ratio = None if clip_ratio is None else float(clip_ratio)
+        self.needs_proximal = anchor == "recompute"  # trainer declarations (PolicyLoss), per instance
+        self.needs_topk = top_k if divergence.startswith("topk") else 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(divergence={self.divergence!r}, delta={self.delta}, "
+                f"clip_ratio={self.clip_ratio}, anchor={self.anchor!r}, top_k={self.top_k})")
+
+    def _anchor(self, inputs: LossInputs) -> torch.Tensor:
+        if self.anchor == "behavior":
+            return inputs.behavior_logprobs
+        if inputs.proximal_logprobs is None:
+            raise ValueError("DPPO(anchor='recompute') needs LossInputs.proximal_logprobs [B, T] (the trainer fills it "
+                             "when loss.needs_proximal is True); or use anchor='behavior'")
+        return inputs.proximal_logprobs
+
+    def _topk(self, inputs: LossInputs, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K log pi and log mu, [B, T, K] each, with -inf (zero mass) off the valid tokens."""
+        lp, lmu = inputs.topk_logprobs, inputs.topk_behavior_logprobs
+        if lp is None or lmu is None:
+            raise ValueError(f"DPPO(divergence={self.divergence!r}) needs LossInputs.topk_behavior_logprobs and "
+                             "topk_logprobs [B, T, K] (the trainer fills them when loss.needs_topk > 0)")
+        if lp.shape != lmu.shape or lp.dim() != 3 or lp.shape[:2] != valid.shape:
+            raise ValueError(f"top-K log-probs must both be [B, T, K] with [B, T] = {list(valid.shape)}; got "
+                             f"topk_logprobs {list(lp.shape)}, topk_behavior_logprobs {list(lmu.shape)}")
+        off = ~valid.unsqueeze(-1)  # [B, T, 1]
+        return lp.detach().masked_fill(off, float("-inf")), lmu.detach().masked_fill(off, float("-inf"))
+
+    def __call__(self, inputs: LossInputs) -> LossOutputs:
+        anchored = replace(inputs, behavior_logprobs=self._anchor(inputs))
+        valid, mask, logp, logmu, adv, log_r, r = tokens(anchored)  # [B, T] each; logmu = the anchor, detached
+        kind = self.divergence.split("_")[1]
+        with torch.no_grad():
+            if self.divergence.startswith("topk"):
+                div = topk_divergence(kind, logp, logmu, *self._topk(inputs, valid))  # [B, T]
+            else:
+                div = binary_divergence(kind, logp, logmu)  # [B, T]
+            keep = dppo_keep(adv, logp, logmu, div, self.delta)  # [B, T] bool; True off the mask (A = 0 there)
+            ratio = r if self.clip_ratio is None else r.clamp(max=self.clip_ratio)  # [B, T] sg(min(r, C))
+            coef = adv * ratio * keep.to(r.dtype)  # [B, T]
+        token_losses = -coef * logp * mask  # [B, T]; gradient -A sg(min(r, C)) M on log pi
+        if inputs.weights is not None:
+            token_losses = token_losses * inputs.weights.detach()
+
+        with torch.no_grad():
+            masked = (~keep).to(mask.dtype)  # [B, T] 1 where DPPO removed the gradient
+            mu = sanitize(inputs.behavior_logprobs.detach(), valid).exp()  # [B, T] the engine's mu, whatever the anchor
+            metrics = {
+                "masked_frac": masked_mean(masked, mask),
+                "masked_frac_pos": masked_mean(masked, valid & (adv > 0)),
+                "masked_frac_neg": masked_mean(masked, valid & (adv < 0)),
+                "divergence_mean": masked_mean(div, mask),
+                "divergence_max": masked_max(div, valid),
+                "ratio_mean": masked_mean(r, mask),
+                "ratio_max": masked_max(r, valid),
+                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                "tv_mean": masked_mean((logp.exp() - mu).abs(), mask),  # mean |pi - mu|: drift from the engine
+            }
+            if self.clip_ratio is not None:
+                metrics["truncated_frac"] = masked_mean((r > self.clip_ratio).to(mask.dtype), mask)
+        return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)
+
+
+class DPPOBinaryKL(DPPO):
+    """DPPO with the Binary-KL divergence (registry `dppo_kl`); delta defaults to 0.05."""
+
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, anchor: str = "behavior") -> None:
+        super().__init__("binary_kl", delta, clip_ratio, anchor)
+
+
+class DPPOTopKTV(DPPO):
+    """DPPO with the Top-K TV divergence (registry `dppo_topk_tv`); delta defaults to 0.15."""
+
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20) -> None:
+        super().__init__("topk_tv", delta, clip_ratio, "behavior", top_k)
+
+
+class DPPOTopKKL(DPPO):
+    """DPPO with the Top-K KL divergence (registry `dppo_topk_kl`); delta defaults to 0.05."""
+
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20) -> None:
+        super().__init__("topk_kl", delta, clip_ratio, "behavior", top_k)
