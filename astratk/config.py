@@ -20,7 +20,7 @@ import yaml
 from astratk.registry import REGISTRY
 from astratk.spec import RunSpec
 
-PLUGIN_KINDS = ("loss", "env")
+PLUGIN_KINDS = ("loss", "env", "correction")
 
 
 def parser() -> Any:

@@ -160,3 +160,21 @@ class PolicyLoss(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, inputs: LossInputs) -> LossOutputs: ...
+
+
+@dataclass
+class CorrectionOutput:
+    weights: torch.Tensor  # [B, T] detached, multiplies LossInputs.weights (1 off the mask)
+    keep: torch.Tensor  # [B, T] 0/1 in logprobs' dtype, multiplies LossInputs.loss_mask
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars
+
+
+class TokenCorrection(abc.ABC):
+    """A per-token mismatch correction. The trainer applies a list of them in order before the loss
+    (`weights *= out.weights`, `loss_mask *= out.keep`); each sees the previous ones' weights and mask."""
+
+    name: str = "correction"
+    needs_proximal: bool = True  # every correction compares the proximal policy with the engine's
+
+    @abc.abstractmethod
+    def __call__(self, inputs: LossInputs) -> CorrectionOutput: ...

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astratk.contracts import Env, PolicyLoss
+from astratk.contracts import Env, PolicyLoss, TokenCorrection
 from astratk.registry import resolve_path
 
 
@@ -69,6 +69,9 @@ class TrainerSpec:
     aggregation: str = "seq-mean-token-sum-norm"
     horizon: int | None = None  # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
     batch_timeout_s: float = 300.0  # longest wait for one step's batch before the trainer fails, naming the wait
+    kl_coef: float = 0.0  # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
+    kl_estimator: str = "k3"  # k3 (non-negative) or k1 (astratk.training.regularizers)
+    entropy_coef: float = 0.0  # > 0: subtract entropy_coef * H(pi) per token (entropy bonus)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class PolicySpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     loss: PolicyLoss = field(default_factory=lambda: _default("loss", "drpo"))
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    corrections: list[TokenCorrection] = field(default_factory=list)  # mismatch corrections, applied in order
 
 
 @dataclass
@@ -160,6 +164,15 @@ class RunSpec:
                     raise ValueError(f"{key}.roles: role {role!r} is already played by policy {seen[role]!r}")
                 seen[role] = p.policy_id
             t = p.trainer
+            if t.kl_coef < 0 or t.entropy_coef < 0:
+                raise ValueError(f"{key}.trainer: kl_coef and entropy_coef must be >= 0 (0 = off), got "
+                                 f"{t.kl_coef}, {t.entropy_coef}")
+            if t.kl_estimator not in ("k1", "k3"):
+                raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
+            for j, corr in enumerate(p.corrections):
+                if not isinstance(corr, TokenCorrection):
+                    raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
+                                     f"{type(corr).__name__}")
             _positive(f"{key}.trainer", max_steps=t.max_steps, groups_per_step=t.groups_per_step, lr=t.lr,
                       publish_every=t.publish_every)
             from astratk.training.aggregation import AGGREGATIONS

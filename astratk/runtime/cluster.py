@@ -32,9 +32,8 @@ def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, A
 
 def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
     """A SpecCluster with a control worker and labelled rollout workers (`deploy` waits for them, with a timeout)."""
-    from distributed import Scheduler, SpecCluster
-
     import dask
+    from distributed import Scheduler, SpecCluster
 
     dashboard = "127.0.0.1:0" if spec.cluster.dashboard else None
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": dashboard}}

@@ -146,7 +146,9 @@ class Session:
         self._datamodule = RolloutDataModule(stream)
         module = PolicyModule(self.model_path, p.loss, policy_id=p.policy_id,
                               lr=ts.lr, weight_decay=ts.weight_decay, temperature=spec.rollout.temperature,
-                              aggregation=ts.aggregation, horizon=ts.horizon or spec.rollout.max_new_tokens)
+                              aggregation=ts.aggregation, horizon=ts.horizon or spec.rollout.max_new_tokens,
+                              corrections=p.corrections, kl_coef=ts.kl_coef, kl_estimator=ts.kl_estimator,
+                              entropy_coef=ts.entropy_coef)
         recorder = StepRecorder(stream)
         callbacks = [WeightPublisher(self.deployment.store, self.deployment.datalayer, p.policy_id,
                                      ts.publish_every), recorder]

@@ -6,9 +6,14 @@ each decode step's logits, so on the same weights both sides run the same arithm
 (tests/unit/test_torch_engine.py checks 1e-5).
 
 Alignment (`TrainBatch`): position t predicts `input_ids[:, t + 1]`, so the result is [B, L - 1].
+
+`policy_forward` is the trainer's one grad forward when it needs more than log π: the entropy of π (entropy bonus)
+and log π at the engine's top-K ids (DPPO's Top-K divergences), all from the same logits.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,8 +51,51 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         >>> lp = token_logprobs(model, batch.input_ids, batch.attention_mask, temperature=1.0)  # doctest: +SKIP
         >>> # lp: [B, T], aligned with batch.loss_mask and batch.behavior_logprobs
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1]  # [B, L-1, V]
+    logits = _next_token_logits(model, input_ids, attention_mask)  # [B, L-1, V]
     lp = logprobs_from_logits(logits, input_ids[:, 1:], temperature)  # [B, L-1]
     return lp.masked_fill(attention_mask[:, 1:] == 0, 0.0)
+
+
+@dataclass
+class PolicyForward:
+    logprobs: torch.Tensor  # [B, T] log pi of the next tokens, as `token_logprobs` (0 where the target is padding)
+    entropy: torch.Tensor | None = None  # [B, T] entropy of pi(. | s_t) at temperature T (0 at padding)
+    topk_logprobs: torch.Tensor | None = None  # [B, T, K] log pi at the given top-K ids (0 at padding)
+
+
+def policy_forward(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float, *, entropy: bool = False,
+                   topk_ids: torch.Tensor | None = None) -> PolicyForward:
+    """`token_logprobs` plus, from the same logits, the entropy and/or log π at `topk_ids` [B, T, K] (int64).
+
+    log π at the sampled and at the top-K ids share one logsumexp of logits / T, so both are the same arithmetic as
+    `logprobs_from_logits` (identical values). Gradients flow unless the caller disables them.
+
+    Example:
+        >>> fwd = policy_forward(model, batch.input_ids, batch.attention_mask, 1.0, entropy=True)  # doctest: +SKIP
+        >>> fwd.logprobs.shape == fwd.entropy.shape == batch.loss_mask.shape  # doctest: +SKIP
+        True
+    """
+    from astratk.training.regularizers import entropy_from_logits
+
+    logits = _next_token_logits(model, input_ids, attention_mask)  # [B, T, V]
+    pad = attention_mask[:, 1:] == 0  # [B, T]
+    if topk_ids is None:
+        lp = logprobs_from_logits(logits, input_ids[:, 1:], temperature)  # [B, T]
+        topk = None
+    else:
+        z = logits.float()
+        if temperature > 0 and temperature != 1.0:
+            z = z / temperature
+        lse = torch.logsumexp(z, dim=-1)  # [B, T]
+        lp = z.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - lse  # [B, T]
+        topk = (z.gather(-1, topk_ids) - lse.unsqueeze(-1)).masked_fill(pad.unsqueeze(-1), 0.0)  # [B, T, K]
+    ent = entropy_from_logits(logits, temperature).masked_fill(pad, 0.0) if entropy else None
+    return PolicyForward(logprobs=lp.masked_fill(pad, 0.0), entropy=ent, topk_logprobs=topk)
+
+
+def _next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The model's logits at positions 0..L-2 (each predicts the next token): [B, L - 1, V]."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False).logits[:, :-1]
