@@ -1,0 +1,59 @@
+"""CISPO / PG-TIS: truncated importance weight as a stop-gradient coefficient (ALGORITHMS §4, the "CISPO" row).
+
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1):
+
+    l_t = -A_t sg(min(r_t, C)) log pi_t      gradient coefficient on A grad log pi: c_t = min(r_t, C)
+
+Unlike PPO's clip, no token loses its gradient: a token with r > C keeps weight C (MiniMax-M1, arXiv 2506.13585, which
+clips the IS weight rather than the update). DPPO's authors implement their mask in this same form (ALGORITHMS §2).
+The scalar VALUE of l_t is not the surrogate's value: compare gradients, not losses, across implementations.
+Default C = 5 (ALGORITHMS §4 gives 3-5; DPPO's scaling runs use 5). There is no trust region: DPPO reports that
+truncated IS alone does not stabilise training (ALGORITHMS §2); it is a neighbour to compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
+
+from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+
+
+class CISPO(PolicyLoss):
+    """Truncated-IS policy gradient: -A sg(min(r, C)) log pi per token (ALGORITHMS §4).
+
+    Example:
+        >>> import torch
+        >>> from astratk.contracts import LossInputs
+        >>> lp = torch.log(torch.tensor([[0.6, 0.25]])).requires_grad_()
+        >>> out = CISPO(ratio_cap=2.0)(LossInputs(logprobs=lp, behavior_logprobs=torch.log(torch.tensor([[0.1, 0.5]])),
+        ...                                       advantages=torch.tensor([[1.0, -1.0]]), loss_mask=torch.ones(1, 2)))
+        >>> out.token_losses.sum().backward()
+        >>> [round(g, 4) for g in lp.grad.tolist()[0]]  # -A min(r, C): r = 6 capped at 2; r = 0.5 kept
+        [-2.0, 0.5]
+    """
+
+    def __init__(self, ratio_cap: float = 5.0) -> None:
+        if not ratio_cap >= 1:  # also rejects NaN
+            raise ValueError(f"ratio_cap must be >= 1 (tokens with r > C keep gradient weight C; C < 1 would "
+                             f"down-weight on-policy tokens); got {ratio_cap}. Use 3-5 (ALGORITHMS §4), or 10000 to "
+                             "disable truncation")
+        self.ratio_cap = float(ratio_cap)
+
+    def __repr__(self) -> str:
+        return f"CISPO(ratio_cap={self.ratio_cap})"
+
+    def __call__(self, inputs: LossInputs) -> LossOutputs:
+        valid, mask, logp, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
+        coef = r.detach().clamp(max=self.ratio_cap)  # [B, T] sg(min(r, C))
+        token_losses = -adv * coef * logp * mask  # [B, T] value is not the surrogate's; the gradient is
+        if inputs.weights is not None:
+            token_losses = token_losses * inputs.weights.detach()
+        with torch.no_grad():
+            metrics = {
+                "ratio_mean": masked_mean(r, mask),
+                "ratio_max": masked_max(r, valid),
+                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                "truncated_frac": masked_mean((r > self.ratio_cap).to(mask.dtype), mask),
+            }
+        return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)

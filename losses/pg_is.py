@@ -1,0 +1,44 @@
+"""PG-IS: importance-sampled policy gradient with no trust region (ALGORITHMS §4, the "PG-IS" row; §2 findings).
+
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1, log r clamped to +-20):
+
+    l_t = -A_t r_t          gradient coefficient on A grad log pi: c_t = r_t
+
+It is the baseline every trust region is measured against: DPPO (arXiv 2602.04879, §5) reports that it drifts (mean
+|pi - mu| grows) and eventually collapses even at lr 1e-6. No configuration.
+"""
+
+from __future__ import annotations
+
+from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
+
+from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+
+
+class PGIS(PolicyLoss):
+    """Plain importance-sampled policy gradient, -A r per token (ALGORITHMS §4).
+
+    Example:
+        >>> import torch
+        >>> from astratk.contracts import LossInputs
+        >>> lp = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()  # mu = 1 below, so r = pi
+        >>> out = PGIS()(LossInputs(logprobs=lp, behavior_logprobs=torch.zeros(1, 2),
+        ...                         advantages=torch.tensor([[1.0, -2.0]]), loss_mask=torch.ones(1, 2)))
+        >>> out.token_losses.tolist()  # -1 * 1.5, 2 * 0.5
+        [[-1.5, 1.0]]
+    """
+
+    def __repr__(self) -> str:
+        return "PGIS()"
+
+    def __call__(self, inputs: LossInputs) -> LossOutputs:
+        valid, mask, _, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
+        token_losses = -adv * r * mask  # [B, T]
+        if inputs.weights is not None:
+            token_losses = token_losses * inputs.weights.detach()
+        metrics = {
+            "ratio_mean": masked_mean(r, mask),
+            "ratio_max": masked_max(r, valid),
+            "kl_k3": masked_mean(k3_kl(log_r.detach()), mask),
+        }
+        return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)
