@@ -17,5 +17,8 @@ Adding a loss:
 4. Test golden values with the derivation beside them, the paper's properties, and `torch.autograd.gradcheck`
    (`tests/unit/test_drpo.py` is the model).
 
-Built-ins: `drpo.DRPO` (arXiv 2606.09821, the default), `ppo_clip.PPOClip` (PPO / GRPO / DAPO clip-higher, dual clip).
+Built-ins (the README's loss table gives formula, source, defaults and YAML for each): `drpo.DRPO` (the default),
+`dppo.DPPO` and its Binary-KL / Top-K TV / Top-K KL subclasses, `ppo_clip.PPOClip`, `pg_is.PGIS`, `cispo.CISPO`,
+`spo.SPO`, `gspo.GSPO` / `GSPOToken`, `sapo.SAPO`, `m2po.M2PO` / `M2POClip`. Mismatch corrections (`corrections.TIS`,
+`corrections.MIS`) are `astratk.contracts.TokenCorrection`s the trainer applies before the loss.
 """
