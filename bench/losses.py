@@ -3,10 +3,12 @@ and each loss's share of a full tiny-model training step at the same token count
 
     python bench/losses.py                         # 512 sequences x 2048 tokens, fp32, CPU, 1 thread
     python bench/losses.py --batch 64 --length 512 --no-step   # a quick look
+    (run from the repository root)
 
 Time: all losses in one process, repeats alternate between them (drifting load hits all alike), median reported.
-Memory: the distinct tensor storage autograd saves between forward and backward (saved-tensor hooks), i.e. the
-activation memory the loss adds to a training step; on CPU, resident-set peaks are blurred by allocator reuse.
+Memory: peak tensor memory allocated during one forward+backward (running sum of the torch profiler's allocation
+events; on CPU, resident-set peaks are blurred by allocator reuse), and the storage autograd saves between forward
+and backward (saved-tensor hooks), i.e. the activation memory the loss holds while the model's backward runs.
 The training step: `PolicyModule.training_step` + backward on the quickstart's tiny model, at the same number of
 sequences and tokens, in micro-batches of `--micro` sequences (gradient accumulation), loss included.
 """
@@ -93,6 +95,22 @@ def time_losses(variants, b: int, t: int, repeats: int) -> dict[str, float]:
     return {label: statistics.median(ts) for label, ts in times.items()}
 
 
+def peak_memory_mb(loss, inputs) -> float:
+    """Peak MB of tensor memory allocated during one forward+backward above what was live before it: the running sum
+    of the profiler's allocation/free events (torch's own CPU allocations, exact, unlike resident-set peaks)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_loss(loss, inputs)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def saved_memory_mb(loss, inputs) -> float:
     """MB of distinct tensor storage autograd keeps from forward to backward (the loss's activation memory), counted
     with saved-tensor hooks: deterministic, unlike resident-set peaks on CPU, which allocator reuse blurs."""
@@ -157,21 +175,23 @@ def main() -> None:
     variants = available()
     times = time_losses(variants, args.batch, args.length, args.repeats)
     inputs = make_inputs(args.batch, args.length)
+    peaks = {label: peak_memory_mb(build(name, kw), inputs) for label, name, kw in variants}
     mems = {label: saved_memory_mb(build(name, kw), inputs) for label, name, kw in variants}
     step = None if args.no_step else training_step_seconds(args.batch, args.length, args.micro, args.model)
-    base_t, base_m = times["ppo_clip"], max(mems["ppo_clip"], 1e-9)
+    base_t, base_m, base_p = times["ppo_clip"], max(mems["ppo_clip"], 1e-9), max(peaks["ppo_clip"], 1e-9)
     print(f"{args.batch} sequences x {args.length} tokens, fp32, CPU, 1 thread; median of {args.repeats}")
     if step is not None:
         print(f"tiny-model training step at the same token count: {step:.1f} s")
-    print(f"{'loss':<16}{'fwd+bwd ms':>12}{'x ppo_clip':>12}{'saved MB':>10}{'x ppo_clip':>12}"
+    print(f"{'loss':<16}{'fwd+bwd ms':>12}{'x ppo_clip':>12}{'peak MB':>10}{'x ppo_clip':>12}"
+          f"{'saved MB':>10}{'x ppo_clip':>12}"
           + (f"{'share of step':>15}" if step else ""))
     for label, _, _ in variants:
-        row = (f"{label:<16}{1000 * times[label]:>12.1f}{times[label] / base_t:>12.2f}{mems[label]:>10.0f}"
-               f"{mems[label] / base_m:>12.2f}")
+        row = (f"{label:<16}{1000 * times[label]:>12.1f}{times[label] / base_t:>12.2f}{peaks[label]:>10.0f}"
+               f"{peaks[label] / base_p:>12.2f}{mems[label]:>10.0f}{mems[label] / base_m:>12.2f}")
         if step:
             row += f"{times[label] / step:>15.2%}"
         print(row)
-    print(json.dumps({"times_s": times, "peak_mb": mems, "step_s": step}))
+    print(json.dumps({"times_s": times, "peak_mb": peaks, "saved_mb": mems, "step_s": step}))
 
 
 if __name__ == "__main__":

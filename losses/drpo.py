@@ -65,14 +65,18 @@ class DRPO(PolicyLoss):
     def __call__(self, inputs: LossInputs) -> LossOutputs:
         valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
         mu = torch.exp(logmu)  # [B, T] detached
-        penalty = adv.abs() * mu * (r - 1.0) ** 2 / (2.0 * self.delta)  # [B, T]
-        token_losses = (-adv * r + penalty) * mask  # [B, T] Eq. 8
+        coef = adv.abs().mul_(mu).mul_(0.5 / self.delta)  # [B, T] detached |A| mu / (2 delta); in place: one buffer
+        d = r - 1.0  # [B, T]
+        penalty = coef * d * d  # [B, T] |A| mu (r - 1)^2 / (2 delta)
+        token_losses = torch.addcmul(penalty, adv, r, value=-1.0) * mask  # [B, T] Eq. 8: -A r + penalty
         if inputs.weights is not None:
             token_losses = token_losses * inputs.weights.detach()
 
-        with torch.no_grad():
-            tv = (torch.exp(logp) - mu).abs()  # [B, T] Binary-TV |pi - mu|
-            w = drpo_gradient_weight(logp, logmu, adv, self.delta)  # [B, T]
+        with torch.no_grad():  # diagnostics, two [B, T] buffers: they are live together with the whole graph
+            shift = mu.mul_(d)  # [B, T] pi - mu = mu (r - 1), in mu's buffer (mu is not needed after this)
+            signed = torch.sign(adv).mul_(shift)  # [B, T] sign(A)(pi - mu), so w = 1 - signed / delta (Eq. 9)
+            tv = shift.abs_()  # [B, T] Binary-TV |pi - mu|
+            some = valid.any().to(mask.dtype)  # metrics of an empty batch are 0, w's included
             metrics = {
                 "ratio_mean": masked_mean(r, mask),
                 "ratio_max": masked_max(r, valid),
@@ -81,8 +85,8 @@ class DRPO(PolicyLoss):
                 "beyond_boundary_frac": masked_mean((tv > self.delta).to(mask.dtype), mask),
                 "tv_mean": masked_mean(tv, mask),
                 "tv_max": masked_max(tv, valid),
-                "w_mean": masked_mean(w, mask),
-                "w_min": masked_min(w, valid),
-                "w_max": masked_max(w, valid),
+                "w_mean": some * (1.0 - masked_mean(signed, mask) / self.delta),
+                "w_min": some * (1.0 - masked_max(signed, valid) / self.delta),
+                "w_max": some * (1.0 - masked_min(signed, valid) / self.delta),
             }
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)
