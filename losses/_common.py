@@ -31,9 +31,11 @@ def k3_kl(log_r: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Detached mean over mask tokens; 0 (not NaN) for an all-zero mask."""
-    x, mask = x.detach(), mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
+    """Detached mean over mask tokens; 0 (not NaN) for an all-zero mask. A dot product: one pass, no [B, T] buffer
+    (diagnostics are computed every step on every token, so they must cost little next to the loss itself)."""
+    m = mask.to(x.dtype if x.dtype.is_floating_point else torch.float32)
+    x = x.detach().to(m.dtype)
+    return torch.dot(x.reshape(-1), m.reshape(-1)) / m.sum().clamp_min(1.0)
 
 
 def masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -45,14 +45,19 @@ BINARY_KL_EPS = 1e-8  # inside the (1 - p) logs of Binary-KL
 SAMPLED_MATCH_TOL = 1e-4  # |log mu_sampled - log mu_topk| at which the sampled token counts as that top-K entry
 
 
-def binary_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor) -> torch.Tensor:
-    """Binary-TV or Binary-KL ("tv" / "kl") between pi and mu on {sampled, rest}. [B, T], [B, T] -> [B, T], detached."""
+def binary_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, pi: torch.Tensor | None = None,
+                      mu: torch.Tensor | None = None) -> torch.Tensor:
+    """Binary-TV or Binary-KL ("tv" / "kl") between pi and mu on {sampled, rest}. [B, T], [B, T] -> [B, T], detached.
+    `pi` / `mu` = exp(logp) / exp(logmu) when the caller already has them (saves two exps per token)."""
     logp, logmu = logp.detach(), logmu.detach()
+    pi = logp.exp() if pi is None else pi
+    mu = logmu.exp() if mu is None else mu
     if kind == "tv":
-        return (logp.exp() - logmu.exp()).abs()
-    one_minus_mu, one_minus_pi = -torch.expm1(logmu), -torch.expm1(logp)  # 1 - p, accurate for p near 0
-    return logmu.exp() * (logmu - logp) + one_minus_mu * (
-        torch.log(one_minus_mu + BINARY_KL_EPS) - torch.log(one_minus_pi + BINARY_KL_EPS))
+        return (pi - mu).abs_()
+    one_minus_mu, one_minus_pi = torch.expm1(logmu).neg_(), torch.expm1(logp).neg_()  # 1 - p, accurate near p = 1
+    # log((1 - mu + eps) / (1 - pi + eps)) = log1p((pi - mu) / (1 - pi + eps)): one log instead of two
+    log_ratio_rest = torch.log1p((pi - mu).div_(one_minus_pi.add_(BINARY_KL_EPS)))
+    return torch.addcmul(one_minus_mu.mul_(log_ratio_rest), mu, logmu - logp)
 
 
 def topk_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, topk_logp: torch.Tensor,
@@ -154,10 +159,11 @@ class DPPO(PolicyLoss):
         valid, mask, logp, logmu, adv, log_r, r = tokens(anchored)  # [B, T] each; logmu = the anchor, detached
         kind = self.divergence.split("_")[1]
         with torch.no_grad():
+            pi, mu_anchor = logp.detach().exp(), logmu.exp()  # [B, T] each, shared by divergence and metrics
             if self.divergence.startswith("topk"):
                 div = topk_divergence(kind, logp, logmu, *self._topk(inputs, valid))  # [B, T]
             else:
-                div = binary_divergence(kind, logp, logmu)  # [B, T]
+                div = binary_divergence(kind, logp, logmu, pi, mu_anchor)  # [B, T]
             keep = dppo_keep(adv, logp, logmu, div, self.delta)  # [B, T] bool; True off the mask (A = 0 there)
             ratio = r if self.clip_ratio is None else r.clamp(max=self.clip_ratio)  # [B, T] sg(min(r, C))
             coef = adv * ratio * keep.to(r.dtype)  # [B, T]
@@ -167,7 +173,7 @@ class DPPO(PolicyLoss):
 
         with torch.no_grad():
             masked = (~keep).to(mask.dtype)  # [B, T] 1 where DPPO removed the gradient
-            mu = sanitize(inputs.behavior_logprobs.detach(), valid).exp()  # [B, T] the engine's mu, whatever the anchor
+            mu = mu_anchor if self.anchor == "behavior" else sanitize(inputs.behavior_logprobs.detach(), valid).exp()
             metrics = {
                 "masked_frac": masked_mean(masked, mask),
                 "masked_frac_pos": masked_mean(masked, valid & (adv > 0)),
@@ -177,7 +183,7 @@ class DPPO(PolicyLoss):
                 "ratio_mean": masked_mean(r, mask),
                 "ratio_max": masked_max(r, valid),
                 "kl_k3": masked_mean(k3_kl(log_r), mask),
-                "tv_mean": masked_mean((logp.exp() - mu).abs(), mask),  # mean |pi - mu|: drift from the engine
+                "tv_mean": masked_mean(pi.sub_(mu).abs_(), mask),  # mean |pi - mu| (the engine's mu): drift
             }
             if self.clip_ratio is not None:
                 metrics["truncated_frac"] = masked_mean((r > self.clip_ratio).to(mask.dtype), mask)
