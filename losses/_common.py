@@ -67,3 +67,16 @@ def tokens(inputs: LossInputs) -> Tokens:
     log_r = log_ratio(logp, logmu)
     return Tokens(valid=valid, mask=inputs.loss_mask.to(inputs.logprobs.dtype), logp=logp, logmu=logmu,
                   adv=sanitize(inputs.advantages.detach(), valid), log_r=log_r, r=torch.exp(log_r))
+
+
+def ratio_metrics(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor
+                  ) -> dict[str, torch.Tensor]:
+    """The diagnostics every ratio-based loss reports: ratio mean and max, k3 KL(mu || pi)."""
+    return {"ratio_mean": masked_mean(r, mask), "ratio_max": masked_max(r, valid),
+            "kl_k3": masked_mean(k3_kl(log_r.detach()), mask)}
+
+
+def clip_metrics(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Fractions of tokens a clip removed the gradient of: below (A < 0), above (A > 0), either."""
+    return {"clip_frac": masked_mean(low | high, mask), "clip_frac_low": masked_mean(low, mask),
+            "clip_frac_high": masked_mean(high, mask)}

@@ -14,7 +14,7 @@ truncated IS alone does not stabilise training (ALGORITHMS §2); it is a neighbo
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
+from astratk.losses._common import masked_mean, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -51,9 +51,7 @@ class CISPO(PolicyLoss):
             token_losses = token_losses * inputs.weights.detach()
         with torch.no_grad():
             metrics = {
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
                 "truncated_frac": masked_mean((r > self.ratio_cap).to(mask.dtype), mask),
             }
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)

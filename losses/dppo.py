@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, sanitize, tokens
+from astratk.losses._common import masked_max, masked_mean, ratio_metrics, sanitize, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -180,9 +180,7 @@ class DPPO(PolicyLoss):
                 "masked_frac_neg": masked_mean(masked, valid & (adv < 0)),
                 "divergence_mean": masked_mean(div, mask),
                 "divergence_max": masked_max(div, valid),
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
                 "tv_mean": masked_mean(pi.sub_(mu).abs_(), mask),  # mean |pi - mu| (the engine's mu): drift
             }
             if self.clip_ratio is not None:

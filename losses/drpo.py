@@ -22,7 +22,7 @@ explicitly and say so in the run config.
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, masked_min, tokens
+from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -78,9 +78,7 @@ class DRPO(PolicyLoss):
             tv = shift.abs_()  # [B, T] Binary-TV |pi - mu|
             some = valid.any().to(mask.dtype)  # metrics of an empty batch are 0, w's included
             metrics = {
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
                 "penalty_mean": masked_mean(penalty, mask),
                 "beyond_boundary_frac": masked_mean((tv > self.delta).to(mask.dtype), mask),
                 "tv_mean": masked_mean(tv, mask),

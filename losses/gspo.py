@@ -21,7 +21,7 @@ Defaults eps_low = 3e-4, eps_high = 4e-4 (the paper's; sequence ratios stay near
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, masked_min, tokens
+from astratk.losses._common import clip_metrics, masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -83,12 +83,8 @@ class GSPO(PolicyLoss):
                 "seq_ratio_mean": masked_mean(seq_ratio, nonempty),
                 "seq_ratio_max": masked_max(seq_ratio, nonempty),
                 "seq_ratio_min": masked_min(seq_ratio, nonempty),
-                "clip_frac": masked_mean((low | high).to(mask.dtype), mask),
-                "clip_frac_low": masked_mean(low.to(mask.dtype), mask),
-                "clip_frac_high": masked_mean(high.to(mask.dtype), mask),
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **clip_metrics(low, high, mask),
+                **ratio_metrics(r, log_r, mask, valid),
             }
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from astratk.losses._common import k3_kl, log_ratio, masked_max, masked_mean, sanitize, tokens
+from astratk.losses._common import clip_metrics, log_ratio, ratio_metrics, sanitize, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -112,9 +112,7 @@ class M2PO(PolicyLoss):
                 "m2_mean": (s / n.clamp_min(1.0)).to(mask.dtype),
                 "m2_mean_kept": (s_kept / n_kept.clamp_min(1.0)).to(mask.dtype),
                 "mask_frac": ((n - n_kept) / n.clamp_min(1.0)).to(mask.dtype),
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
             }
         return LossOutputs(token_losses=token_losses, mask=kept, metrics=metrics)
 
@@ -177,11 +175,7 @@ class M2POClip(PolicyLoss):
                 "tau_prime": torch.where(clipping, tau_p, 0.0),
                 "clip_active": clipping.to(mask.dtype),
                 "m2_away_mean": (s_away / n_away.clamp_min(1.0)).to(mask.dtype),
-                "clip_frac": masked_mean((low | high).to(mask.dtype), mask),
-                "clip_frac_low": masked_mean(low.to(mask.dtype), mask),
-                "clip_frac_high": masked_mean(high.to(mask.dtype), mask),
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **clip_metrics(low, high, mask),
+                **ratio_metrics(r, log_r, mask, valid),
             }
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)

@@ -10,7 +10,7 @@ It is the baseline every trust region is measured against: DPPO (arXiv 2602.0487
 
 from __future__ import annotations
 
-from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
+from astratk.losses._common import ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -37,8 +37,6 @@ class PGIS(PolicyLoss):
         if inputs.weights is not None:
             token_losses = token_losses * inputs.weights.detach()
         metrics = {
-            "ratio_mean": masked_mean(r, mask),
-            "ratio_max": masked_max(r, valid),
-            "kl_k3": masked_mean(k3_kl(log_r.detach()), mask),
+            **ratio_metrics(r, log_r, mask, valid),
         }
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)

@@ -13,7 +13,7 @@ token cannot produce an unbounded push (gradient 0 once r > c).
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, tokens
+from astratk.losses._common import clip_metrics, masked_mean, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -65,12 +65,8 @@ class PPOClip(PolicyLoss):
             low = (adv < 0) & (r < 1.0 - self.eps_low)  # [B, T]
             high = (adv > 0) & (r > 1.0 + self.eps_high)  # [B, T]
             metrics = {
-                "clip_frac": masked_mean((low | high).to(mask.dtype), mask),
-                "clip_frac_low": masked_mean(low.to(mask.dtype), mask),
-                "clip_frac_high": masked_mean(high.to(mask.dtype), mask),
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **clip_metrics(low, high, mask),
+                **ratio_metrics(r, log_r, mask, valid),
             }
             if self.dual_clip is not None:
                 dual = (adv < 0) & (r > self.dual_clip)

@@ -17,7 +17,7 @@ r = 1 is -2A / tau, not -A. Defaults tau_pos = 1.0, tau_neg = 1.05 (ALGORITHMS Â
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, masked_min, tokens
+from astratk.losses._common import masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -58,9 +58,7 @@ class SAPO(PolicyLoss):
         with torch.no_grad():
             gate = 4.0 * sig * (1.0 - sig)  # [B, T] in (0, 1], 1 at r = 1
             metrics = {
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
                 "gate_mean": masked_mean(gate, mask),
                 "gate_min": masked_min(gate, valid),
             }

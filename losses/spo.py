@@ -18,7 +18,7 @@ the DRPO paper used for its SPO comparison.
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import k3_kl, masked_max, masked_mean, masked_min, tokens
+from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 
@@ -56,9 +56,7 @@ class SPO(PolicyLoss):
         with torch.no_grad():
             w = 1.0 - torch.sign(adv) * (r - 1.0) / self.eps  # [B, T] sign(A (r-1)) |r-1| = sign(A) (r-1)
             metrics = {
-                "ratio_mean": masked_mean(r, mask),
-                "ratio_max": masked_max(r, valid),
-                "kl_k3": masked_mean(k3_kl(log_r), mask),
+                **ratio_metrics(r, log_r, mask, valid),
                 "penalty_mean": masked_mean(penalty, mask),
                 "beyond_radius_frac": masked_mean((w < 0).to(mask.dtype), mask),
                 "w_mean": masked_mean(w, mask),
