@@ -82,6 +82,8 @@ class DataLayer:
         deadline = self._clock() + self.spec.dataflow.lease_timeout_s
         while self._retry and len(out) < n:
             old = self._retry.popleft()
+            if old.lease_id in self._closed:  # its slow original was admitted after it expired: nothing to redo
+                continue
             out.append(dataclasses.replace(old, deadline=deadline, attempt=old.attempt + 1))
             self._counts["data/leases_reissued"] += 1
         while len(out) < n:
@@ -109,11 +111,14 @@ class DataLayer:
         else:
             self._retry.append(lease)
 
-    def release(self, lease_ids: Sequence[str], reason: str = "error") -> None:
-        """A rollout for these leases failed: re-issue them now instead of waiting for their deadline."""
-        for lease_id in lease_ids:
-            lease = self._outstanding.pop(lease_id, None)
-            if lease is not None:
+    def release(self, leases: Sequence[tuple[str, int]], reason: str = "error") -> None:
+        """A rollout for these (lease id, attempt) pairs failed: re-issue them now instead of at their deadline.
+        Only the attempt that failed is released: if the lease already expired and was re-issued, the newer attempt
+        is still running and is left alone."""
+        for lease_id, attempt in leases:
+            lease = self._outstanding.get(lease_id)
+            if lease is not None and lease.attempt == attempt:
+                del self._outstanding[lease_id]
                 self._counts[f"data/leases_released_{reason}"] += 1
                 self._requeue(lease)
 

@@ -32,7 +32,7 @@ class Acquisition:
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astratk-acquisition", daemon=True)
-        self._inflight: dict[Any, list[str]] = {}
+        self._inflight: dict[Any, list[tuple[str, int]]] = {}  # admit future -> its (lease id, attempt) pairs
         self._policies = sorted({p.policy_id for p in self.spec.policies})
         self._workers_checked = 0.0
         self._n_workers = 1
@@ -68,10 +68,10 @@ class Acquisition:
             return False
         resources = {f"rollout_{p}": 1 for p in self._policies}
         rolled = self.client.submit(rollout_task, self.ctx, leases, resources=resources, pure=False,
-                                    key=f"rollout-{leases[0].lease_id}-{leases[0].attempt}")
+                                    key=f"rollout-{self.ctx.run_id}-{leases[0].lease_id}-{leases[0].attempt}")
         scored = self.client.submit(score_task, self.ctx, rolled, resources={"score": 1}, pure=False)
         admitted = self.client.submit(admit_task, scored, self.datalayer, pure=False)
-        self._inflight[admitted] = [lease.lease_id for lease in leases]
+        self._inflight[admitted] = [(lease.lease_id, lease.attempt) for lease in leases]
         self.counts["acquisition/chunks_submitted"] += 1
         return True
 
@@ -101,13 +101,13 @@ class Acquisition:
                 time.sleep(1.0)
 
     def _collect(self, future: Any) -> None:
-        lease_ids = self._inflight.pop(future)
+        leases = self._inflight.pop(future)
         if future.status == "finished":
             for k, v in future.result().items():
                 self.counts[f"acquisition/{k}"] += v
             return
         self.counts["acquisition/chunks_failed"] += 1
         exc = future.exception() if future.status == "error" else future.status
-        self.errors.append(f"rollout chunk {lease_ids[0]}..: {exc!r}")
-        log.warning("rollout chunk failed (%s); releasing %d leases for re-issue", exc, len(lease_ids))
-        self.datalayer.call("release", lease_ids, "error")
+        self.errors.append(f"rollout chunk {leases[0][0]}..: {exc!r}")
+        log.warning("rollout chunk failed (%s); releasing %d leases for re-issue", exc, len(leases))
+        self.datalayer.call("release", leases, "error")

@@ -86,13 +86,15 @@ class RolloutService:
         self.name = _service_name()
         self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
+        self._engines_lock = threading.Lock()
 
     def engine(self, policy_id: str, purpose: str = "rollout") -> Engine:
-        key = (purpose, policy_id)
-        if key not in self._engines:
-            cls = resolve("engine", self.spec.rollout.engine)
-            self._engines[key] = cls(self.ctx.model_paths[policy_id], max_batch=self.spec.rollout.max_batch)
-        return self._engines[key]
+        with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
+            key = (purpose, policy_id)
+            if key not in self._engines:
+                cls = resolve("engine", self.spec.rollout.engine)
+                self._engines[key] = cls(self.ctx.model_paths[policy_id], max_batch=self.spec.rollout.max_batch)
+            return self._engines[key]
 
     def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:
         """Move the engine to `version` (default: the newest published); returns the engine's version after.
@@ -171,8 +173,12 @@ class RolloutService:
         for task, trajs in zip(tasks, episodes):
             scores = [s for s in self.env.score(task, trajs) if s is not None]
             rewards.append(sum(scores) / len(scores) if scores else 0.0)
+        try:
+            published_at = self.store.ref(policy_id, version).published_at
+        except KeyError:  # pruned in the instant since the load: the time is unknown, the accuracy still stands
+            published_at = float("nan")
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
-                "n": float(len(rewards)), "seconds": time.perf_counter() - start}
+                "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at}
 
 
 def _groups_by_role(lease: Lease, trajectories: list[Trajectory], service: str) -> tuple[Group, ...]:

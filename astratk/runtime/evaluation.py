@@ -31,19 +31,21 @@ class Evaluator:
         self._lock = threading.Lock()
 
     def evaluate(self, version: int | None = None) -> dict[str, float]:
-        """Evaluate `version` (default newest) now, blocking; the record is kept and returned."""
-        ref = self.store.latest(self.policy_id) if version is None else self.store.ref(self.policy_id, version)
-        future = self.client.submit(evaluate_task, self.ctx, self.policy_id, ref.version, self.espec.max_tasks,
+        """Evaluate `version` now, blocking; the record is kept and returned. `None` evaluates whatever version is
+        newest when the task starts on its worker (it may queue behind a rollout chunk meanwhile, and pinning a
+        version at submission could see it pruned from the store by then)."""
+        future = self.client.submit(evaluate_task, self.ctx, self.policy_id, version, self.espec.max_tasks,
                                     resources={f"rollout_{self.policy_id}": 1}, priority=100, pure=False)
         try:
             out = future.result(timeout=self.espec.timeout_s)
         except TimeoutError:
             future.cancel()
-            raise TimeoutError(f"held-out evaluation of policy {self.policy_id!r} v{ref.version} took more than "
+            which = "the newest version" if version is None else f"v{version}"
+            raise TimeoutError(f"held-out evaluation of policy {self.policy_id!r} {which} took more than "
                                f"{self.espec.timeout_s:.0f}s (eval.timeout_s)") from None
         t0 = self.train_t0
-        record = {**out, "published_at": ref.published_at, "evaluated_at": time.time(),
-                  "train_time_s": (ref.published_at - t0) if t0 is not None else float("nan")}
+        record = {**out, "evaluated_at": time.time(),
+                  "train_time_s": (out["published_at"] - t0) if t0 is not None else float("nan")}
         with self._lock:
             self.records.append(record)
         if self.on_record is not None:
@@ -67,7 +69,7 @@ class Evaluator:
             if ref is None or ref.version == last:
                 continue
             try:
-                last = int(self.evaluate(ref.version)["version"])
+                last = int(self.evaluate(None)["version"])
             except Exception as e:  # a failed periodic eval is reported, and the next interval tries again
                 with self._lock:
                     self.records.append({"version": float(ref.version), "accuracy": float("nan"), "error": 1.0})

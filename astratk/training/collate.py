@@ -28,7 +28,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
     weights = torch.zeros((b, T))
     versions = torch.full((b, T), -1, dtype=torch.long)
     rewards = torch.zeros(b)
-    k = min((len(t.behavior_topk_ids[0]) if t.behavior_topk_ids else 0 for t, _ in rows), default=0)
+    k = min((len(next((x for x in t.behavior_topk_ids if x), ())) for t, _ in rows), default=0)  # env tokens: ()
     top_ids = torch.zeros((b, T, k), dtype=torch.long) if k else None
     top_lp = torch.zeros((b, T, k)) if k else None
     for i, (traj, adv) in enumerate(rows):

@@ -61,6 +61,7 @@ class PolicyModule(pl.LightningModule):
         self.entropy_coef = float(entropy_coef)
         self.model = load_causal_lm(model_path, torch.float32)
         self.model.train()  # from_pretrained returns eval mode; Lightning warns about eval-mode modules in fit
+        _disable_dropout(self.model)
         reference = None
         if self.kl_coef > 0:
             reference = load_causal_lm(reference_path or model_path, torch.float32).eval().requires_grad_(False)
@@ -150,3 +151,15 @@ class PolicyModule(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
                                  betas=(0.9, 0.99))
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Ratios compare log-probs from separate forwards (engine, proximal, gradient); dropout noise would make r != 1
+    on-policy and bias every trust region. HF attention reads its rate from the config at call time."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)

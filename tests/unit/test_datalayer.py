@@ -59,10 +59,10 @@ def test_admission_is_idempotent_by_lease():
 def test_failed_task_dropped_after_max_attempts():
     dl = make(max_task_attempts=2)
     [a] = dl.lease(1)
-    dl.release([a.lease_id])
+    dl.release([(a.lease_id, a.attempt)])
     [b] = dl.lease(1)
     assert b.lease_id == a.lease_id and b.attempt == 2
-    dl.release([b.lease_id])
+    dl.release([(b.lease_id, b.attempt)])
     [c] = dl.lease(1)
     assert c.lease_id != a.lease_id
     assert dl.metrics()["data/tasks_dropped_failed"] == 1
@@ -114,3 +114,27 @@ def test_versions_never_go_back():
     dl.publish_version(WeightRef("main", 2, "x"))
     with pytest.raises(ValueError, match="must not go back"):
         dl.publish_version(WeightRef("main", 1, "x"))
+
+
+def test_failure_of_an_expired_attempt_leaves_its_reissue_running():
+    clock = Clock()
+    dl = make(clock)
+    [a] = dl.lease(1)
+    clock.now = 11.0
+    [b] = dl.lease(1)  # a expired; b is its re-issue (attempt 2), still running
+    assert (b.lease_id, b.attempt) == (a.lease_id, 2)
+    dl.release([(a.lease_id, 1)])  # the stalled first attempt finally fails
+    assert dl.metrics()["data/leases_outstanding"] == 1 and "data/leases_released_error" not in dl.metrics()
+    assert dl.admit(b.lease_id, [group(b)]) == {"admitted": 1, "duplicate": 0}
+
+
+def test_queued_reissue_is_dropped_once_the_original_is_admitted():
+    clock = Clock()
+    dl = make(clock, prefetch_steps=4)
+    [a] = dl.lease(1)
+    clock.now = 11.0
+    assert dl.lease(0) == [] and dl.metrics()["data/leases_waiting_reissue"] == 1  # a expired, queued for re-issue
+    dl.admit(a.lease_id, [group(a)])  # ...but its slow original comes back first
+    [c] = dl.lease(1)
+    assert c.lease_id != a.lease_id  # the pointless re-issue is skipped
+    assert dl.metrics()["data/leases_waiting_reissue"] == 0
