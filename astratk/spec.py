@@ -150,36 +150,9 @@ class RunSpec:
             raise ValueError(f"env: expected an astratk.contracts.Env, got {type(env).__name__}")
         if not self.policies:
             raise ValueError("policies: at least one policy is required")
-        seen: dict[str, str] = {}
+        seen: dict[str, str] = {}  # env role -> the policy that plays it
         for i, p in enumerate(self.policies):
-            key = f"policies[{i}]"
-            p.model.validate(f"{key}.model")
-            if not isinstance(p.loss, PolicyLoss):
-                raise ValueError(f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(p.loss).__name__}")
-            for role in p.roles:
-                if role not in env.roles:
-                    raise ValueError(f"{key}.roles: env {env.name!r} has no role {role!r}; its roles are "
-                                     f"{list(env.roles)}")
-                if role in seen:
-                    raise ValueError(f"{key}.roles: role {role!r} is already played by policy {seen[role]!r}")
-                seen[role] = p.policy_id
-            t = p.trainer
-            if t.kl_coef < 0 or t.entropy_coef < 0:
-                raise ValueError(f"{key}.trainer: kl_coef and entropy_coef must be >= 0 (0 = off), got "
-                                 f"{t.kl_coef}, {t.entropy_coef}")
-            if t.kl_estimator not in ("k1", "k3"):
-                raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
-            for j, corr in enumerate(p.corrections):
-                if not isinstance(corr, TokenCorrection):
-                    raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
-                                     f"{type(corr).__name__}")
-            _positive(f"{key}.trainer", max_steps=t.max_steps, groups_per_step=t.groups_per_step, lr=t.lr,
-                      publish_every=t.publish_every)
-            from astratk.training.aggregation import AGGREGATIONS
-
-            if t.aggregation not in AGGREGATIONS:
-                raise ValueError(f"{key}.trainer.aggregation: unknown {t.aggregation!r}; choose one of "
-                                 f"{sorted(AGGREGATIONS)}")
+            _validate_policy(p, f"policies[{i}]", env, seen)
         missing = [r for r in env.roles if r not in seen]
         if missing:
             raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them to a "
@@ -217,6 +190,36 @@ class RunSpec:
     def role_routes(self) -> dict[str, str]:
         """env role -> policy_id."""
         return {role: p.policy_id for p in self.policies for role in p.roles}
+
+
+def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:
+    """One policy's checks; records the roles it plays in `seen` (a role may be played by one policy only)."""
+    from astratk.training.aggregation import AGGREGATIONS
+
+    p.model.validate(f"{key}.model")
+    if not isinstance(p.loss, PolicyLoss):
+        raise ValueError(f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(p.loss).__name__}")
+    for role in p.roles:
+        if role not in env.roles:
+            raise ValueError(f"{key}.roles: env {env.name!r} has no role {role!r}; its roles are {list(env.roles)}")
+        if role in seen:
+            raise ValueError(f"{key}.roles: role {role!r} is already played by policy {seen[role]!r}")
+        seen[role] = p.policy_id
+    for j, corr in enumerate(p.corrections):
+        if not isinstance(corr, TokenCorrection):
+            raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
+                             f"{type(corr).__name__}")
+    t = p.trainer
+    _positive(f"{key}.trainer", max_steps=t.max_steps, groups_per_step=t.groups_per_step, lr=t.lr,
+              publish_every=t.publish_every)
+    if t.kl_coef < 0 or t.entropy_coef < 0:
+        raise ValueError(f"{key}.trainer: kl_coef and entropy_coef must be >= 0 (0 = off), got "
+                         f"{t.kl_coef}, {t.entropy_coef}")
+    if t.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
+    if t.aggregation not in AGGREGATIONS:
+        raise ValueError(f"{key}.trainer.aggregation: unknown {t.aggregation!r}; choose one of "
+                         f"{sorted(AGGREGATIONS)}")
 
 
 def _default(kind: str, name: str):

@@ -13,45 +13,30 @@ The ratio pipeline/trainer-alone says how close the asynchronous pipeline comes 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 
 import torch
 
 
 def trainer_alone(spec, model_path: str, steps: int) -> float:
-    """Optimiser steps/s on real rollouts generated once up front (the trainer never waits)."""
-    import dataclasses
-
-    from astratk.contracts import SamplingParams
-    from astratk.dataflow.advantages import get_advantage
-    from astratk.dataflow.datalayer import Lease
-    from astratk.engines.torch_engine import TorchEngine
-    from astratk.records import Group
-    from astratk.rollout.service import _groups_by_role
+    """Optimiser steps/s on one step's batch of real rollouts made up front by the real path (rollout service,
+    in-process data layer, collate), so the trainer never waits."""
+    from astratk.dataflow.datalayer import DataLayer
+    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.runtime.deploy import publish_initial
     from astratk.training.collate import collate
     from astratk.training.module import PolicyModule
+    from astratk.weights.store import WeightStore
 
     p = spec.policies[0]
-    engine = TorchEngine(model_path)
-    tasks = [t for _, t in zip(range(p.trainer.groups_per_step), spec.env.tasks("train"))]
-    sampling = SamplingParams(temperature=spec.rollout.temperature, max_tokens=spec.rollout.max_new_tokens)
-
-    async def roll() -> list[Group]:
-        out = []
-        for i, task in enumerate(tasks):
-            lease = Lease(f"b{i}", task, {"policy": p.policy_id}, 0.0)
-            eps = await asyncio.gather(*(spec.env.rollout(task, {"policy": engine}, sampling,
-                                                          policy_ids=lease.routes, group_id=f"b{i}/{j}")
-                                         for j in range(spec.rollout.group_size)))
-            trajs = [t.with_reward(r) for ep in eps for t, r in zip(ep, spec.env.score(task, ep))]
-            [g] = _groups_by_role(lease, trajs, "bench")
-            out.append(dataclasses.replace(g, advantages=tuple(get_advantage("dr_grpo")(g.rewards))))
-        return out
-
-    groups = asyncio.run(roll())
-    engine.close()
-    batch = collate(groups, engine.tokenizer.pad_token_id)
+    store = WeightStore("memory://bench-pipeline")
+    publish_initial(store, p.policy_id, model_path)
+    service = RolloutService(RunContext("bench", spec, {p.policy_id: model_path}, store.url))
+    datalayer = DataLayer(spec)
+    while (groups := datalayer.next_batch(p.policy_id, 0)) is None:
+        for res in service.score(service.rollout(datalayer.lease(spec.rollout.tasks_per_chunk))):
+            datalayer.admit(res.lease_id, list(res.groups))
+    batch = collate(groups, service.engine(p.policy_id).tokenizer.pad_token_id)
     module = PolicyModule(model_path, p.loss, lr=p.trainer.lr, horizon=spec.rollout.max_new_tokens)
     opt = module.configure_optimizers()
     module.log_dict = lambda *a, **k: None  # no Trainer attached here

@@ -18,6 +18,7 @@ from typing import Any
 from astratk.dataflow.handle import DataLayerHandle
 from astratk.rollout.service import RunContext
 from astratk.rollout.tasks import admit_task, rollout_task, score_task
+from astratk.runtime.cluster import count_workers
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ class Acquisition:
         """Workers that carry every rollout label this run needs (re-counted every 2 s: pools are elastic)."""
         now = time.monotonic()
         if now - self._workers_checked > 2.0:
-            need = [f"rollout_{p}" for p in self._policies]
-            workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
-            self._n_workers = sum(all(w.get("resources", {}).get(r, 0) > 0 for r in need) for w in workers)
+            self._n_workers = count_workers(self.client, [f"rollout_{p}" for p in self._policies])
             self._workers_checked = now
         return self._n_workers
 

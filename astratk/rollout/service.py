@@ -11,6 +11,7 @@ Extending: engines come from `astratk.registry` by `RolloutSpec.engine`; envs fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -138,8 +139,6 @@ class RolloutService:
         return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, self.name)
 
     def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
-        import dataclasses
-
         out = []
         for res in results:
             groups = []
@@ -182,8 +181,6 @@ class RolloutService:
 
 
 def _groups_by_role(lease: Lease, trajectories: list[Trajectory], service: str) -> tuple[Group, ...]:
-    import dataclasses
-
     by_role: dict[str, list[Trajectory]] = {}
     for t in trajectories:
         by_role.setdefault(t.role, []).append(dataclasses.replace(t, service=service))

@@ -46,14 +46,19 @@ def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
                            silence_logs=logging.WARNING)
 
 
+def count_workers(client: Any, resources: list[str]) -> int:
+    """Workers that carry every label in `resources` right now (pools are elastic: ask again, don't cache)."""
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    return sum(all(w.get("resources", {}).get(r, 0) > 0 for r in resources) for w in workers)
+
+
 def wait_for_workers(client: Any, resources: list[str], n: int, timeout: float) -> None:
     """Block until `n` workers carry every label in `resources`; the error names the labels it waited for."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
-        have = sum(all(w.get("resources", {}).get(r, 0) > 0 for r in resources) for w in workers)
+        have = count_workers(client, resources)
         if have >= n:
             return
         if time.monotonic() > deadline:
