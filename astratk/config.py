@@ -58,7 +58,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"config file {str(path)!r} does not exist")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a config must be a mapping of RunSpec fields, got {type(data).__name__}")
+        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+            f"{path}: a config must be a mapping of RunSpec fields, got {type(data).__name__}")
     return expand_short_names(data)
 
 

@@ -14,9 +14,9 @@ truncated IS alone does not stabilise training (ALGORITHMS §2); it is a neighbo
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import masked_mean, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import masked_mean, ratio_metrics, tokens
 
 
 class CISPO(PolicyLoss):

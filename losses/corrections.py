@@ -26,9 +26,9 @@ name in `astratk/registry.py` under kind "correction" (a config may also give th
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import LOG_RATIO_CLAMP, masked_max, masked_mean, sanitize
 
 from astratk.contracts import CorrectionOutput, LossInputs, TokenCorrection
+from astratk.losses._common import LOG_RATIO_CLAMP, masked_max, masked_mean, sanitize
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 

@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from astratk.losses._common import masked_max, masked_mean, ratio_metrics, sanitize, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import masked_max, masked_mean, ratio_metrics, sanitize, tokens
 
 DIVERGENCES = ("binary_kl", "binary_tv", "topk_kl", "topk_tv")
 ANCHORS = ("behavior", "recompute")

@@ -22,9 +22,9 @@ explicitly and say so in the run config.
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 
 def drpo_gradient_weight(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -63,7 +63,7 @@ class DRPO(PolicyLoss):
         return f"DRPO(delta={self.delta})"
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
-        valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
+        valid, mask, _logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
         mu = torch.exp(logmu)  # [B, T] detached
         coef = adv.abs().mul_(mu).mul_(0.5 / self.delta)  # [B, T] detached |A| mu / (2 delta); in place: one buffer
         d = r - 1.0  # [B, T]

@@ -21,9 +21,9 @@ Defaults eps_low = 3e-4, eps_high = 4e-4 (the paper's; sequence ratios stay near
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import clip_metrics, masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import clip_metrics, masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 VARIANTS = ("sequence", "token")
 

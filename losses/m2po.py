@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from astratk.losses._common import clip_metrics, log_ratio, ratio_metrics, sanitize, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import clip_metrics, log_ratio, ratio_metrics, sanitize, tokens
 
 _INF_BITS = 0x7F800000  # float32 +inf as int32 bits; every finite m2 >= 0 has smaller bits
 

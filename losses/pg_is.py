@@ -10,9 +10,8 @@ It is the baseline every trust region is measured against: DPPO (arXiv 2602.0487
 
 from __future__ import annotations
 
-from astratk.losses._common import ratio_metrics, tokens
-
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import ratio_metrics, tokens
 
 
 class PGIS(PolicyLoss):

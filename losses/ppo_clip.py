@@ -13,9 +13,9 @@ token cannot produce an unbounded push (gradient 0 once r > c).
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import clip_metrics, masked_mean, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import clip_metrics, masked_mean, ratio_metrics, tokens
 
 
 class PPOClip(PolicyLoss):
@@ -50,7 +50,7 @@ class PPOClip(PolicyLoss):
         return f"PPOClip(eps_low={self.eps_low}, eps_high={self.eps_high}, dual_clip={self.dual_clip})"
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
-        valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
+        valid, mask, _logp, _logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
         unclipped = -adv * r  # [B, T]
         clipped = -adv * r.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)  # [B, T]
         loss = torch.maximum(unclipped, clipped)  # [B, T]

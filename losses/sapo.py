@@ -17,9 +17,9 @@ r = 1 is -2A / tau, not -A. Defaults tau_pos = 1.0, tau_neg = 1.05 (ALGORITHMS Â
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import masked_mean, masked_min, ratio_metrics, tokens
 
 
 class SAPO(PolicyLoss):

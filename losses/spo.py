@@ -18,9 +18,9 @@ the DRPO paper used for its SPO comparison.
 from __future__ import annotations
 
 import torch
-from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses._common import masked_max, masked_mean, masked_min, ratio_metrics, tokens
 
 
 class SPO(PolicyLoss):

@@ -70,7 +70,7 @@ class Evaluator:
                 continue
             try:
                 last = int(self.evaluate(None)["version"])
-            except Exception as e:  # a failed periodic eval is reported, and the next interval tries again
+            except Exception as e:  # noqa: BLE001 - a failed periodic eval is reported, and the next interval tries again
                 with self._lock:
                     self.records.append({"version": float(ref.version), "accuracy": float("nan"), "error": 1.0})
                 print(f"held-out evaluation of v{ref.version} failed: {e!r}")

@@ -50,7 +50,7 @@ class Session:
         self._closers: list[Callable[[], Any]] = []
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Session:  # noqa: PYI034 - typing.Self needs Python 3.11
         from distributed import Client
 
         from astratk.models import ensure_model
@@ -89,11 +89,11 @@ class Session:
         self._closers.insert(0, self.evaluator.stop)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for close in self._closers:
             try:
                 close()
-            except Exception as e:  # teardown must run to the end; report what failed
+            except Exception as e:  # noqa: BLE001 - teardown must run to the end; report what failed
                 self.print(f"while shutting down: {e!r}")
 
     def _print_eval(self, r: dict[str, float]) -> None:

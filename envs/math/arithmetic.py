@@ -26,9 +26,8 @@ import itertools
 import random
 from collections.abc import Iterator, Mapping, Sequence
 
-from astratk.envs.chat import encode_chat, stop_token_ids
-
 from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
+from astratk.envs.chat import encode_chat, stop_token_ids
 from astratk.records import Task, Trajectory
 
 LEVELS = {

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.losses.drpo import DRPO
-
 from astratk.metrics import load
 from astratk.runtime.run import Run
 from astratk.spec import (

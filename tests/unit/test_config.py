@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from astratk.envs.math.arithmetic import ArithmeticEnv
-from astratk.losses.drpo import DRPO
 
 from astratk.cli import main
 from astratk.config import dump_spec, load_spec, parse
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.losses.drpo import DRPO
 from astratk.spec import PolicySpec, RunSpec
 
 QUICKSTART = Path(__file__).parents[2] / "tutorials" / "quickstart.yaml"

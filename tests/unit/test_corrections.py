@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from astratk.losses.corrections import MIS, TIS, TokenCorrection
-from astratk.losses.ppo_clip import PPOClip
 
 from astratk.contracts import LossInputs
+from astratk.losses.corrections import MIS, TIS, TokenCorrection
+from astratk.losses.ppo_clip import PPOClip
 from astratk.registry import resolve
 from astratk.training.aggregation import aggregate
 from astratk.training.step_inputs import apply_corrections, check_corrections

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from astratk.losses import dppo
-from astratk.losses.dppo import DPPO, DPPOBinaryKL, DPPOTopKKL, DPPOTopKTV, binary_divergence, topk_divergence
 
 from astratk.config import to_plain
 from astratk.contracts import LossInputs, PolicyLoss
+from astratk.losses import dppo
+from astratk.losses.dppo import DPPO, DPPOBinaryKL, DPPOTopKKL, DPPOTopKTV, binary_divergence, topk_divergence
 from astratk.registry import resolve
 
 DT = torch.float64

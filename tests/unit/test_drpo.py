@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from astratk.losses.drpo import DRPO, drpo_gradient_weight
 
 from astratk.contracts import LossInputs
+from astratk.losses.drpo import DRPO, drpo_gradient_weight
 
 DT = torch.float64
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from astratk.losses.gspo import GSPO, GSPOToken
 
 from astratk.contracts import LossInputs
+from astratk.losses.gspo import GSPO, GSPOToken
 from astratk.training.aggregation import aggregate
 
 DT = torch.float64

@@ -7,11 +7,11 @@ This is the laptop/debugger path (and what the Dask tasks call): lease -> rollou
 import lightning.pytorch as pl
 import pytest
 import torch
-from astratk.envs.math.arithmetic import ArithmeticEnv
-from astratk.losses.drpo import DRPO
 
 from astratk.dataflow.datalayer import DataLayer
 from astratk.dataflow.handle import DataLayerHandle
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.losses.drpo import DRPO
 from astratk.models import ensure_model
 from astratk.registry import resolve
 from astratk.rollout.service import RolloutService, RunContext

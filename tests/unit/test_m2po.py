@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from astratk.losses.m2po import M2PO, M2POClip, second_moment_cut
 
 from astratk.contracts import LossInputs
+from astratk.losses.m2po import M2PO, M2POClip, second_moment_cut
 
 DT = torch.float64
 

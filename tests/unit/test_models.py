@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from astratk.envs.chat import encode_chat, stop_token_ids
-from astratk.envs.math.arithmetic import ArithmeticEnv
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2Tokenizer
 
 import astratk.models.warm_start as ws
+from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.models import build_char_tokenizer, build_tiny_model, ensure_model
 from astratk.models.cache import MARKER, model_key
 from astratk.models.tokenizer import save_char_tokenizer
@@ -162,7 +162,7 @@ def test_exact_match_means_every_completion_token_is_the_greedy_choice():
             nxt[1, int(target[1].nonzero()[0]) - 1] += 1  # wrong first answer digit for example 1
             return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, len(tok)).float())
 
-    loss, exact = ws.completion_loss(Oracle(), ids, attn, target)
+    _loss, exact = ws.completion_loss(Oracle(), ids, attn, target)
     assert exact.tolist() == [True, False]
 
 

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+
+from astratk.contracts import LossInputs
 from astratk.losses.cispo import CISPO
 from astratk.losses.drpo import DRPO
 from astratk.losses.gspo import GSPO, GSPOToken
@@ -15,8 +17,6 @@ from astratk.losses.pg_is import PGIS
 from astratk.losses.ppo_clip import PPOClip
 from astratk.losses.sapo import SAPO
 from astratk.losses.spo import SPO
-
-from astratk.contracts import LossInputs
 from astratk.registry import resolve
 
 DT = torch.float64

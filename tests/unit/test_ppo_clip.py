@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from astratk.losses.ppo_clip import PPOClip
 
 from astratk.contracts import LossInputs
+from astratk.losses.ppo_clip import PPOClip
 
 DT = torch.float64
 
@@ -91,10 +91,10 @@ def test_all_zero_mask_is_finite():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(eps_low=-0.1), "eps_low must be in"),
-    (dict(eps_low=1.0), "eps_low must be in"),
-    (dict(eps_high=0.0), "eps_high must be > 0"),
-    (dict(dual_clip=1.0), "dual_clip must be > 1"),
+    ({"eps_low": -0.1}, "eps_low must be in"),
+    ({"eps_low": 1.0}, "eps_low must be in"),
+    ({"eps_high": 0.0}, "eps_high must be > 0"),
+    ({"dual_clip": 1.0}, "dual_clip must be > 1"),
 ])
 def test_bad_config_raises_with_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -34,7 +34,7 @@ def test_group_version_and_rewards():
     assert g.version == 7
     assert g.rewards == (1.0, 0.0)
     with pytest.raises(ValueError, match="unscored"):
-        Group("g", g.task, "main", (traj(),)).rewards
+        _ = Group("g", g.task, "main", (traj(),)).rewards
 
 
 def test_records_pickle_small_and_round_trip():

@@ -5,11 +5,11 @@ import warnings
 
 import pytest
 import torch
-from astratk.losses.corrections import TIS
-from astratk.losses.drpo import DRPO
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
+from astratk.losses.corrections import TIS
+from astratk.losses.drpo import DRPO
 from astratk.records import TrainBatch
 from astratk.training.aggregation import aggregate
 from astratk.training.logprobs import policy_forward, token_logprobs
