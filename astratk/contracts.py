@@ -15,11 +15,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from astratk.records import Task, Trajectory
+
+if TYPE_CHECKING:
+    from astratk.weights.delta import SparseDelta
 
 # --------------------------------------------------------------------------------------------------------- engines
 
@@ -33,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     top_k_logprobs: int = 0  # K > 0: return the top-K log-probs per token (DPPO's Top-K divergences), K <= 20
+    # Generation also ends at the token whose decoded text completes one of these strings (searched in the generated
+    # text only, not the prompt); that token is kept, as a stop token is. Needs an engine with a tokenizer.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -41,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.top_k_logprobs <= 20:
             raise ValueError(f"top_k_logprobs must be in [0, 20], got {self.top_k_logprobs}")
+        if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,8 @@ class Engine(Protocol):
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]: ...
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def load_weights(self, state: Mapping[str, torch.Tensor] | SparseDelta, version: int) -> None:
+        """Full or partial state by parameter name, or a `SparseDelta` whose `base_version` is the engine's version."""
 
 
 # ------------------------------------------------------------------------------------------------------------ envs

@@ -9,8 +9,10 @@ goes to the calls in that batch, and the worker carries on.
 Decoding. Prompts are left-padded, position ids count each row's real tokens; one prefill, then one token per step
 through `past_key_values`. A row stops at one of its `stop_token_ids` (kept in the completion) or at its `max_tokens`;
 rows with different temperatures, budgets and stops share a batch, and finished rows are compacted away once they are
-a quarter of it. Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (ALGORITHMS §1); T = 0 is greedy,
-scored with the untempered softmax. Behaviour log-probs come from `logprobs_from_logits`, the trainer's formula.
+a quarter of it. Stop strings (`params.stop`, needs a tokenizer) end a row at the token whose text completes one, kept
+too: only rows that have them decode, each step, a short tail of their generated tokens (`_text_stop_hits`).
+Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (ALGORITHMS §1); T = 0 is greedy, scored with the
+untempered softmax. Behaviour log-probs come from `logprobs_from_logits`, the trainer's formula.
 
 Seeds. Random numbers are a counter-based hash of (row seed, token index), so a request with `params.seed` gets the
 same completion whatever shares its batch; unseeded rows draw a seed from the engine's generator (`seed=`). Equal
@@ -19,7 +21,9 @@ seeds and prompts give equal completions: give each episode of a group its own s
 Weights and versions. `load_weights` copies tensors into the parameters under the lock a running batch holds, so a
 batch in flight finishes on the weights it started with and every token of a completion carries that batch's version.
 The KV cache lives only inside a batch, so nothing computed under old weights outlives a load, which therefore waits
-for at most the batch in flight.
+for at most the batch in flight. A `SparseDelta` is written in place under the same lock, and only onto the version it
+was made from (`base_version` must equal the engine's version when the lock is taken; otherwise the load fails and
+changes nothing, and the caller fetches a full state). Both kinds check names and shapes before the first write.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from transformers.modeling_utils import AttentionInterface
 from astratk.contracts import Completion, GenerationRequest
 from astratk.models.loading import load_causal_lm
 from astratk.training.logprobs import logprobs_from_logits
+from astratk.weights.delta import SparseDelta, apply_delta
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -183,6 +188,7 @@ class TorchEngine:
         >>> request = GenerationRequest((1, 2, 3), SamplingParams(max_tokens=8, seed=0))  # doctest: +SKIP
         >>> [c] = await engine.generate([request])  # concurrent calls share batches  # doctest: +SKIP
         >>> engine.load_weights(state, version=3)  # applied before the next batch  # doctest: +SKIP
+        >>> engine.load_weights(make_delta(state, new_state, base_version=3, version=4), 4)  # doctest: +SKIP
         >>> engine.close()  # doctest: +SKIP
     """
 
@@ -258,20 +264,26 @@ class TorchEngine:
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         return await asyncio.wrap_future(self.submit(requests))
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy `state` (any subset of the model's parameter names) into the model; applied between batches."""
-        if unknown := sorted(set(state) - set(self._params)):
-            raise KeyError(f"load_weights: {len(unknown)} names the model lacks, e.g. {unknown[:3]}; expected names "
-                           f"like {sorted(self._params)[:3]}")
-        if bad := [(k, tuple(v.shape)) for k, v in state.items() if v.shape != self._params[k].shape]:
-            raise ValueError(f"load_weights: shape mismatch for {bad[:3]}; the model's are "
-                             f"{[tuple(self._params[k].shape) for k, _ in bad[:3]]}")
+    def load_weights(self, state: Mapping[str, torch.Tensor] | SparseDelta, version: int) -> None:
+        """Copy `state` (any subset of the model's parameter names) into the model, or write a `SparseDelta` made
+        from the engine's current version into it; applied between batches."""
+        if isinstance(state, SparseDelta):
+            if state.version != version:
+                raise ValueError(f"load_weights: the delta produces version {state.version}, not {version}")
+        else:
+            self._check_state(state)
         with self._cond:
             self._loads_waiting += 1
         try:
             with self._weights_lock, torch.no_grad():
-                for name, tensor in state.items():
-                    self._params[name].copy_(tensor)
+                if not isinstance(state, SparseDelta):
+                    for name, tensor in state.items():
+                        self._params[name].copy_(tensor)
+                elif state.base_version != self._version:  # checked under the lock: a load in between moves it
+                    raise ValueError(f"load_weights: the engine is at version {self._version} and the delta needs "
+                                     f"base version {state.base_version}; fetch a full state instead")
+                else:
+                    apply_delta(self._params, state)  # checks every name, shape and dtype before writing any
                 self._version = version
         finally:
             with self._cond:
@@ -307,6 +319,19 @@ class TorchEngine:
         if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self._vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self._vocab}), got {min(r.prompt_ids)}.."
                              f"{max(r.prompt_ids)}")
+        if r.params.stop and self._tokenizer is None:
+            raise ValueError(f"stop strings {r.params.stop!r} need an engine with a tokenizer: give one to "
+                             "TorchEngine.from_model(model, tokenizer), or serve a model directory with tokenizer "
+                             "files; or stop on token ids (stop_token_ids)")
+
+    def _check_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Reject a full state the model cannot take before waiting for the lock (deltas: `apply_delta` checks)."""
+        if unknown := sorted(set(state) - set(self._params)):
+            raise KeyError(f"load_weights: {len(unknown)} names the model lacks, e.g. {unknown[:3]}; expected names "
+                           f"like {sorted(self._params)[:3]}")
+        if bad := [(k, tuple(v.shape)) for k, v in state.items() if v.shape != self._params[k].shape]:
+            raise ValueError(f"load_weights: shape mismatch for {bad[:3]}; the model's are "
+                             f"{[tuple(self._params[k].shape) for k, _ in bad[:3]]}")
 
     def _serve(self) -> None:
         try:
@@ -391,12 +416,16 @@ class TorchEngine:
         top_lp = torch.zeros(b, n, k, device=dev) if k else None
         rows = torch.arange(b, device=dev)  # original index of each row still in the batch
         alive = torch.ones(b, dtype=torch.bool, device=dev)
+        text_stops = {i: _TextStops(r.params.stop) for i, r in enumerate(requests) if r.params.stop}  # by row
+        wants_text = torch.tensor([bool(r.params.stop) for r in requests], device=dev)  # [B]
         for step in range(n):
             tok, lp = _sample(logits, temps, seeds, step)
             out_tokens[rows, step], out_lp[rows, step] = tok, lp
             if k:
                 top_lp[rows, step], top_ids[rows, step] = _topk_logprobs(logits, temps, k)
             hit = (tok.unsqueeze(1) == stops).any(1)
+            if text_stops:  # only batches with stop strings pay for decoding text
+                hit |= _text_stop_hits(self._tokenizer, text_stops, rows, tok, alive & wants_text)
             done = alive & (hit | (budgets <= step + 1))
             lengths[rows[done]] = step + 1
             stopped[rows[done]] = hit[done]
@@ -407,8 +436,8 @@ class TorchEngine:
             if 4 * (len(rows) - n_alive) >= len(rows):  # compact: finished rows stop costing compute
                 keep = alive.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                rows, temps, seeds, budgets, stops, next_pos, mask, tok, alive = (
-                    x[keep] for x in (rows, temps, seeds, budgets, stops, next_pos, mask, tok, alive))
+                rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive = (
+                    x[keep] for x in (rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive))
             logits = self._model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :p + step + 1],
                                  position_ids=next_pos.unsqueeze(1), past_key_values=cache,
                                  use_cache=True).logits[:, -1]
@@ -428,6 +457,46 @@ class TorchEngine:
         if not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = lambda: _GrowingLayer(capacity)
         return cache
+
+
+@dataclass
+class _TextStops:
+    """One row's stop strings and the tokens it has generated so far (its prompt is never searched)."""
+
+    stops: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    window: int = field(init=False)  # tokens before the newest one that a check decodes
+
+    def __post_init__(self) -> None:
+        # Enough to hold the longest stop string even when each of its characters takes several tokens (UTF-8
+        # bytes), with a few spare so a character cut at the tail's start cannot reach it.
+        self.window = 4 * max(map(len, self.stops)) + 4
+
+    def completed(self, before: str, after: str) -> bool:
+        """Whether a stop string ends inside the text the newest token added: `before` and `after` decode the same
+        tail without and with it. Earlier characters may change too (a multi-byte character completed), so the new
+        text starts where the two stop agreeing; an occurrence wholly before it stopped the row already."""
+        start = len(os.path.commonprefix([before, after]))
+        return any(after.find(s, max(0, start - len(s) + 1)) >= 0 for s in self.stops)
+
+
+def _text_stop_hits(tokenizer: Any, states: dict[int, _TextStops], rows: torch.Tensor, tok: torch.Tensor,
+                    check: torch.Tensor) -> torch.Tensor:
+    """[B] bool: which rows flagged in `check` [B] complete a stop string with their newest token `tok` [B]. `rows`
+    [B] maps batch positions to `states` keys (they move when the batch is compacted)."""
+    hits = torch.zeros_like(check)
+    sel = check.nonzero().squeeze(1)
+    if not len(sel):
+        return hits
+    batch, tails = [states[i] for i in rows[sel].tolist()], []
+    for state, t in zip(batch, tok[sel].tolist()):
+        state.tokens.append(t)
+        tail = state.tokens[-state.window - 1:]
+        tails += [tail[:-1], tail]
+    texts = tokenizer.batch_decode(tails, skip_special_tokens=False)
+    found = [state.completed(before, after) for state, before, after in zip(batch, texts[::2], texts[1::2])]
+    hits[sel] = torch.tensor(found, device=hits.device)
+    return hits
 
 
 def _left_padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device):

@@ -1,5 +1,6 @@
-"""TorchEngine: behaviour log-probs equal the trainer's recomputation, greedy equals HF generate, stops, seeds,
-request batching across tasks and threads, weight loads between batches, errors reaching their callers.
+"""TorchEngine: behaviour log-probs equal the trainer's recomputation, greedy equals HF generate, stops (token ids and
+strings), seeds, request batching across tasks and threads, weight loads (full and sparse deltas) between batches,
+errors reaching their callers.
 
 The engine always serves a deep copy of the reference model: it switches its own model's attention to a grouped-K/V
 variant, so comparing against the untouched model also checks that variant against HF's stock sdpa.
@@ -9,17 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import string
 import threading
 import time
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from astratk.contracts import Engine, GenerationRequest, SamplingParams
 from astratk.engines import TorchEngine, build_engine
-from astratk.engines.torch_engine import _mix64, _sample
+from astratk.engines.torch_engine import _mix64, _sample, _text_stop_hits, _TextStops
+from astratk.models import build_char_tokenizer
 from astratk.training.logprobs import token_logprobs
+from astratk.weights import make_delta
 
 VOCAB = 64
 PROMPT_LENGTHS = (3, 9, 5, 14)
@@ -49,6 +54,25 @@ def prompts() -> list[tuple[int, ...]]:
 @pytest.fixture
 def engine(model):
     eng = TorchEngine.from_model(copy.deepcopy(model), None, batch_window_s=0.01)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """VOCAB ids, each decoding to a fixed piece of 1 or 2 characters, concatenated: stop strings can span tokens
+    and end inside one."""
+    pieces = [*string.ascii_lowercase, *(c * 2 for c in string.ascii_lowercase),
+              " ", ".", "th", "he", "in", "er", "an", "é", "<s>", "\n", "ab", "ba"]
+    assert len(set(pieces)) == VOCAB
+    core = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<s>"))
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+@pytest.fixture
+def text_engine(model, tokenizer):
+    eng = TorchEngine.from_model(copy.deepcopy(model), tokenizer, batch_window_s=0.01)
     yield eng
     eng.close()
 
@@ -149,6 +173,77 @@ def test_stops_budgets_and_finish_reasons(engine, prompts):
         assert len(x.token_ids) == len(x.logprobs) == len(x.versions)
 
 
+def completing_cut(tokenizer, tokens: tuple[int, ...], stop: str) -> int:
+    """The expected length of a completion with stop string `stop`: up to the first token whose decoded text (of the
+    generated tokens only) contains it."""
+    return next(j + 1 for j in range(len(tokens)) if stop in tokenizer.decode(tokens[:j + 1]))
+
+
+def test_stop_string_ends_at_the_token_completing_it(text_engine, tokenizer, prompts):
+    [greedy] = gen(text_engine, [req(prompts[1], temperature=0.0, max_tokens=16)])
+    ends = [len(tokenizer.decode(greedy.token_ids[:j + 1])) for j in range(16)]  # text length after each token
+    text = tokenizer.decode(greedy.token_ids)
+    stop = text[ends[3] - 1:ends[6] - 1]  # from token 4's last character to just before token 7's last one
+    cut = completing_cut(tokenizer, greedy.token_ids, stop)
+    assert 1 < cut < 16, (text, stop)  # the test stops mid-completion
+    [c] = gen(text_engine, [req(prompts[1], temperature=0.0, max_tokens=16, stop=(stop, "never"))])
+    assert c.token_ids == greedy.token_ids[:cut] and c.finish_reason == "stop"
+    assert c.logprobs == greedy.logprobs[:cut] and len(c.versions) == cut
+    # the prompt is not searched: a string of the prompt's text that the completion lacks stops nothing
+    prompt_text = tokenizer.decode(prompts[1])
+    in_prompt = next(prompt_text[i:i + 2] for i in range(len(prompt_text) - 1) if prompt_text[i:i + 2] not in text)
+    [same] = gen(text_engine, [req(prompts[1], temperature=0.0, max_tokens=16, stop=(in_prompt, "zzzzzzzzz"))])
+    assert same.token_ids == greedy.token_ids and same.finish_reason == "length"
+
+
+def test_stop_strings_in_a_mixed_batch(text_engine, tokenizer, prompts):
+    """Rows with and without stop strings share a batch; rows finishing first are compacted away, so the stop-string
+    rows move and their text state must follow them. Seeded sampled rows are batch-independent, so each stopped row
+    is a prefix of the same request run alone without stops."""
+    free = [req(p, temperature=1.0, max_tokens=14, seed=i) for i, p in enumerate(prompts)]
+    alone = [gen(text_engine, [r])[0] for r in free]
+    texts = [tokenizer.decode(c.token_ids) for c in alone]
+    stops = [texts[2][7:9], texts[3][10:13]]  # two or three characters late in rows 2 and 3
+    cuts = [completing_cut(tokenizer, alone[2].token_ids, stops[0]),
+            completing_cut(tokenizer, alone[3].token_ids, stops[1])]
+    requests = [
+        req(prompts[0], temperature=1.0, max_tokens=1, seed=10),  # finishes first: compaction moves the rest
+        req(prompts[1], temperature=1.0, max_tokens=2, seed=11),
+        req(prompts[2], temperature=1.0, max_tokens=14, seed=2, stop=(stops[0],)),
+        free[0],
+        req(prompts[3], temperature=1.0, max_tokens=14, seed=3, stop=("zzzzz", stops[1]), stop_token_ids=(VOCAB,)),
+        req(prompts[1], temperature=1.0, max_tokens=14, seed=1, stop=("zzzzz",)),  # never appears: unchanged
+    ]
+    c = gen(text_engine, requests)
+    assert [len(x.token_ids) for x in c[:2]] == [1, 2]
+    assert c[2].token_ids == alone[2].token_ids[:cuts[0]] and c[2].finish_reason == "stop"
+    assert c[3].token_ids == alone[0].token_ids and c[3].finish_reason == "length"
+    assert c[4].token_ids == alone[3].token_ids[:cuts[1]] and c[4].finish_reason == "stop"
+    assert c[5].token_ids == alone[1].token_ids and c[5].finish_reason == "length"
+
+
+def test_stop_strings_need_a_tokenizer(engine, prompts):
+    with pytest.raises(ValueError, match="need an engine with a tokenizer"):
+        engine.submit([req(prompts[0], stop=("x",))])
+    assert engine.stats["requests"] == 0
+
+
+def test_stop_string_check_with_multibyte_characters_and_a_sliding_tail():
+    """Byte tokens: 'é' takes two, so a stop string completes on its second byte. A long text slides the decoded
+    tail; each occurrence is found exactly once, at the token that completes it."""
+    tok = build_char_tokenizer()
+    text = "x" * 40 + "un café, " + "y" * 50 + "deux cafés et un thé"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode())  # one token per byte
+    for stop in ("café", "é", "s e"):
+        states = {7: _TextStops((stop, "never"))}
+        hits = [bool(_text_stop_hits(tok, states, torch.tensor([7]), torch.tensor([t]), torch.tensor([True]))[0])
+                for t in ids]
+        counts = [tok.decode(ids[:j + 1]).count(stop) for j in range(len(ids))]
+        expected = [j for j in range(len(ids)) if counts[j] > (counts[j - 1] if j else 0)]
+        assert [j for j, h in enumerate(hits) if h] == expected and expected, stop
+
+
 # ---------------------------------------------------------------------------------------------------- (d) seeds
 
 
@@ -205,9 +300,14 @@ def test_calls_from_two_threads_and_loops(engine, prompts):
 # --------------------------------------------------------------------------------------------- (f) weight loads
 
 
-def test_load_weights_applies_between_batches(model, prompts):
+@pytest.mark.parametrize("as_delta", [False, True])
+def test_load_weights_applies_between_batches(model, prompts, as_delta):
+    """A full state or a sparse delta from version 0: the batch in flight finishes on version 0, the next batch
+    equals an engine built on the new weights."""
     new_model = tiny_model(1)
     new_state = {k: v.clone() for k, v in new_model.state_dict().items()}
+    if as_delta:
+        new_state = make_delta(model.state_dict(), new_state, base_version=0, version=3)
     requests = [req(p, temperature=1.0, max_tokens=12, seed=i) for i, p in enumerate(prompts)]
     served = copy.deepcopy(model)
     with TorchEngine.from_model(copy.deepcopy(model)) as old_ref, TorchEngine.from_model(new_model) as new_ref, \
@@ -242,6 +342,49 @@ def test_load_weights_applies_between_batches(model, prompts):
         for got, want in zip(after, new_expected):
             assert got.versions == (3,) * len(got.token_ids) and got.token_ids == want.token_ids
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-6, rtol=0)
+
+
+def test_delta_loads_chain_and_equal_full_loads(model, prompts):
+    """Deltas 0 -> 1 -> 2 (sparse: a few elements of a few tensors) give the weights, tokens and log-probs of a full
+    load of version 2; the version tags change exactly at each load."""
+    s0 = {k: v.clone() for k, v in model.state_dict().items()}
+    s1 = {k: v.clone() for k, v in s0.items()}
+    s1["model.layers.0.mlp.up_proj.weight"][3, :7] += 0.5
+    s2 = {k: v.clone() for k, v in s1.items()}
+    s2["model.norm.weight"][::5] = -0.0
+    s2["model.embed_tokens.weight"][9] *= -1.0  # tied: lm_head.weight is the same tensor, so it changes too
+    s2["lm_head.weight"] = s2["model.embed_tokens.weight"]
+    d1, d2 = make_delta(s0, s1, base_version=0, version=1), make_delta(s1, s2, base_version=1, version=2)
+    assert set(d2.changes) == {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"}
+    requests = [req(p, temperature=t, max_tokens=10, seed=i) for i, p in enumerate(prompts) for t in (0.0, 1.0)]
+    full = copy.deepcopy(model)
+    with TorchEngine.from_model(copy.deepcopy(model)) as engine, TorchEngine.from_model(full) as ref:
+        for delta, version in ((d1, 1), (d2, 2)):
+            engine.load_weights(delta, version)
+            assert all(c.versions == (version,) * len(c.token_ids) for c in gen(engine, requests[:2]))
+        ref.load_weights(s2, 2)
+        for name, tensor in full.state_dict().items():
+            assert torch.equal(engine._params[name].view(torch.int32), tensor.view(torch.int32)), name
+        got, want = gen(engine, requests), gen(ref, requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.logprobs for c in got] == [c.logprobs for c in want]
+
+
+def test_delta_load_needs_the_engines_version(engine, model, prompts):
+    new_state = tiny_model(1).state_dict()
+    before = {k: v.clone() for k, v in engine._params.items()}
+    with pytest.raises(ValueError, match="engine is at version 0 and the delta needs base version 2; fetch a full"):
+        engine.load_weights(make_delta(model.state_dict(), new_state, base_version=2, version=3), 3)
+    with pytest.raises(ValueError, match="produces version 1, not 3"):
+        engine.load_weights(make_delta(model.state_dict(), new_state, base_version=0, version=1), 3)
+    renamed = make_delta({"x." + k: v for k, v in model.state_dict().items()},
+                         {"x." + k: v for k, v in new_state.items()}, base_version=0, version=1)
+    with pytest.raises(ValueError, match="not in the state"):
+        engine.load_weights(renamed, 1)
+    assert engine.version == 0
+    assert all(torch.equal(before[k], v) for k, v in engine._params.items())
+    [c] = gen(engine, [req(prompts[0], max_tokens=3)])
+    assert c.versions == (0, 0, 0)
 
 
 def test_load_weights_rejects_unknown_names(engine):
