@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from astratk._addons import hide_mismatched_addons
+
 __version__ = "0.1.0"
+HIDDEN_ADDONS = hide_mismatched_addons()  # CUDA-built torchvision & co. next to a CPU torch: see astratk/_addons.py
 
 _LAZY = {
     "Run": "astratk.runtime.run",

@@ -38,6 +38,7 @@ REGISTRY: dict[str, dict[str, str]] = {
     "engine": {
         "torch": "astratk.engines.torch_engine.TorchEngine",
         "scripted": "astratk.engines.scripted.ScriptedEngine",
+        "vllm": "astratk.engines.vllm_engine.VLLMEngine",
     },
 }
 

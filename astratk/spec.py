@@ -12,11 +12,13 @@ Extending: add a field with a default to the dataclass that owns the concept; la
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from astratk.contracts import Env, PolicyLoss, TokenCorrection
-from astratk.registry import resolve_path
+from astratk.registry import REGISTRY, resolve_path
 
 
 @dataclass
@@ -84,6 +86,15 @@ class PolicySpec:
     corrections: list[TokenCorrection] = field(default_factory=list)  # mismatch corrections, applied in order
 
 
+def _check_engine(name: str) -> None:
+    """`rollout.engine` names a known engine whose packages are installed (workers share the client's environment)."""
+    path = resolve_path("engine", name)
+    if path == REGISTRY["engine"]["vllm"] and importlib.util.find_spec("vllm") is None:
+        from astratk.engines._vllm_compat import INSTALL_HINT
+
+        raise ValueError(f"rollout.engine: {name!r} needs vLLM, which is not installed here: {INSTALL_HINT}")
+
+
 @dataclass
 class RolloutSpec:
     engine: str = "torch"
@@ -93,6 +104,8 @@ class RolloutSpec:
     tasks_per_chunk: int = 8  # tasks per rollout Dask task (their episodes share engine batches)
     max_inflight_chunks: int = 2  # acquisition keeps this many chunks in flight per rollout worker
     max_batch: int = 512  # most sequences the engine decodes together
+    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} for vllm
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,7 +160,7 @@ class RunSpec:
         """Build every plug-in once and check ranges; raise ValueError naming the key and the fix."""
         env = self.env
         if not isinstance(env, Env):
-            raise ValueError(f"env: expected an astratk.contracts.Env, got {type(env).__name__}")
+            raise ValueError(f"env: expected an astratk.contracts.Env, got {type(env).__name__}")  # noqa: TRY004 - config errors are ValueErrors
         if not self.policies:
             raise ValueError("policies: at least one policy is required")
         seen: dict[str, str] = {}  # env role -> the policy that plays it
@@ -158,7 +171,7 @@ class RunSpec:
             raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them to a "
                              "policy's roles")
         r = self.rollout
-        resolve_path("engine", r.engine)
+        _check_engine(r.engine)
         _positive("rollout", group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                   tasks_per_chunk=r.tasks_per_chunk, max_inflight_chunks=r.max_inflight_chunks, max_batch=r.max_batch)
         if r.temperature <= 0:
@@ -198,7 +211,8 @@ def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) ->
 
     p.model.validate(f"{key}.model")
     if not isinstance(p.loss, PolicyLoss):
-        raise ValueError(f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(p.loss).__name__}")
+        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+            f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(p.loss).__name__}")
     for role in p.roles:
         if role not in env.roles:
             raise ValueError(f"{key}.roles: env {env.name!r} has no role {role!r}; its roles are {list(env.roles)}")
@@ -207,7 +221,7 @@ def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) ->
         seen[role] = p.policy_id
     for j, corr in enumerate(p.corrections):
         if not isinstance(corr, TokenCorrection):
-            raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
+            raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "  # noqa: TRY004
                              f"{type(corr).__name__}")
     t = p.trainer
     _positive(f"{key}.trainer", max_steps=t.max_steps, groups_per_step=t.groups_per_step, lr=t.lr,

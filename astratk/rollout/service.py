@@ -94,7 +94,8 @@ class RolloutService:
             key = (purpose, policy_id)
             if key not in self._engines:
                 cls = resolve("engine", self.spec.rollout.engine)
-                self._engines[key] = cls(self.ctx.model_paths[policy_id], max_batch=self.spec.rollout.max_batch)
+                self._engines[key] = cls(self.ctx.model_paths[policy_id],
+                                         **{"max_batch": self.spec.rollout.max_batch, **self.spec.rollout.engine_args})
             return self._engines[key]
 
     def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:

@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import lightning.pytorch as pl
 from torch.utils.data import DataLoader, IterableDataset
 
 from astratk.dataflow.handle import DataLayerHandle
 from astratk.records import TrainBatch
+from astratk.training._pl import pl
 from astratk.training.collate import collate
 
 

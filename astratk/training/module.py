@@ -27,12 +27,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 
 from astratk.contracts import LossInputs, PolicyLoss, TokenCorrection
 from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
+from astratk.training._pl import pl
 from astratk.training.aggregation import aggregate
 from astratk.training.logprobs import PolicyForward, policy_forward, token_logprobs
 from astratk.training.regularizers import check_kl_estimator

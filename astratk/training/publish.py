@@ -6,10 +6,9 @@ model); rollout services pull them at their next safe point (DESIGN §4 step 6).
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
-
 from astratk.dataflow.handle import DataLayerHandle
 from astratk.records import WeightRef
+from astratk.training._pl import pl
 from astratk.weights.store import WeightStore
 
 

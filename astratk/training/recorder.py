@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
+from astratk.training._pl import pl
 
 
 class StepRecorder(pl.Callback):

