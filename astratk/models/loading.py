@@ -16,7 +16,20 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Any:
+    """The HF causal LM in directory `path`. Errors name the directory and what is missing: a path that is not a
+    directory (transformers would try it as a Hub repo id), no config.json, or weights transformers cannot load."""
+    import os
+
     from transformers import AutoModelForCausalLM
 
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no model directory at {path!r} (astratk loads local HF directories only: "
+                                "config.json + *.safetensors, e.g. from save_pretrained)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path!r} is not an HF model directory: config.json is missing")
     with _LOAD_LOCK:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise RuntimeError(f"cannot load the model in {path!r}: {e}") from e
+    return model.to(device)

@@ -508,3 +508,39 @@ def _topk_model():
     cfg = Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=True, initializer_range=0.1)
     return Qwen2ForCausalLM(cfg).eval()
+
+
+# ------------------------------------------------------------------------------------ start-up and many episodes
+def test_engine_that_fails_to_start_names_the_cause(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model directory at .*nope"):
+        build_engine("torch", tmp_path / "nope")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(RuntimeError, match=r"cannot load the model in .*model.safetensors"):
+        build_engine("torch", tmp_path)
+
+
+def test_hundreds_of_multi_turn_episodes_from_threads(engine, prompts):
+    """300 three-turn episodes from 3 threads' event loops complete (no deadlock) and share batches."""
+
+    async def episode(i: int) -> int:
+        ids = list(prompts[i % 4])
+        for turn in range(3):
+            [c] = await engine.generate([req(tuple(ids), max_tokens=4, seed=i * 7 + turn)])
+            ids += list(c.token_ids)
+        return len(ids) - len(prompts[i % 4])
+
+    results: list[list[int]] = []
+
+    def loop(lo: int) -> None:
+        async def many():
+            return await asyncio.gather(*(episode(i) for i in range(lo, lo + 100)))
+        results.append(asyncio.run(many()))
+
+    threads = [threading.Thread(target=loop, args=(lo,)) for lo in (0, 100, 200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "episodes deadlocked"
+    assert sorted(map(len, results)) == [100, 100, 100] and all(n == 12 for r in results for n in r)
+    assert engine.stats["requests"] == 900 and engine.stats["batches"] < 90  # merged, not one batch per call
