@@ -1,0 +1,274 @@
+"""Multi-turn machinery shared by agent envs: a conversation in token space, tool calls parsed from generations,
+environment output appended with loss mask 0, turn and token budgets, per-trajectory metrics.
+
+The engine sees token ids only and nothing is re-tokenised (DESIGN §2): a `Conversation` starts from the chat
+template's prompt, appends each assistant completion exactly as sampled (loss mask 1, its log-probs and versions),
+and appends environment or tool output as the chat template would render the next message (loss mask 0, log-prob
+0, version -1). The tokens between an assistant's content and the next generation prompt are derived once per
+tokenizer and role from the template itself (`ChatTurns`), so any template with a fixed turn separator works.
+
+Example:
+    >>> conv = Conversation(tok, [{"role": "user", "content": "2+2?"}], Budget(max_turns=3))  # doctest: +SKIP
+    >>> turn = await conv.assistant_turn(engine, sampling)  # doctest: +SKIP
+    >>> for call in parse_tool_calls(turn.text): conv.add_message("tool", run(call))  # doctest: +SKIP
+    >>> trajectory = conv.trajectory(task, group_id=gid, policy_id=pid, role="solver")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from astratk.contracts import Completion, Engine, GenerationRequest, SamplingParams
+from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.records import Task, Trajectory
+
+# ------------------------------------------------------------------------------------------------------- budgets
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-episode limits. `max_turns`: assistant turns; `max_tokens_per_turn`: None = the run's `max_new_tokens`;
+    `max_context`: prompt + everything appended (the engine's context must hold it); `max_env_tokens`: longest
+    environment/tool message, longer output is cut (and counted)."""
+
+    max_turns: int = 4
+    max_tokens_per_turn: int | None = None
+    max_context: int = 1024
+    max_env_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_context < 2 or self.max_env_tokens < 1:
+            raise ValueError(f"budget values must be positive: {self}")
+        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1:
+            raise ValueError(f"max_tokens_per_turn must be >= 1 or None, got {self.max_tokens_per_turn}")
+
+
+# ---------------------------------------------------------------------------------------------------- tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call parsed from a generation. `error` is set (and `name` may be empty) when the call is malformed."""
+
+    name: str
+    arguments: Any = None
+    raw: str = ""
+    error: str = ""
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON
+    or a missing name gives a `ToolCall` with `error` set, so the env can answer it instead of silently ignoring it."""
+    calls = []
+    for m in _TOOL_CALL.finditer(text):
+        raw = m.group(1).strip()
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", None, raw, f"invalid JSON: {e.msg} at {e.pos}"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            calls.append(ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}'))
+            continue
+        calls.append(ToolCall(obj["name"], obj.get("arguments", {}), raw))
+    return calls
+
+
+def parse_tags(text: str, names: Iterable[str]) -> list[tuple[str, str]]:
+    """Action tags `<name>content</name>` for the given names, in the order they appear (small models learn this
+    format fast). Unclosed tags are ignored."""
+    alternatives = "|".join(re.escape(n) for n in names)
+    pattern = re.compile(rf"<({alternatives})>(.*?)</\1>", re.DOTALL)
+    return [(m.group(1), m.group(2).strip()) for m in pattern.finditer(text)]
+
+
+# ------------------------------------------------------------------------------------------------ chat rendering
+
+
+class ChatTurns:
+    """Token ids that follow an assistant turn for a new message, derived from the tokenizer's chat template.
+
+    For a template that renders `... <assistant content><close>` and then `<open role>content<close>` and the
+    generation prompt, `close` is what follows the content (e.g. "<|im_end|>\\n") and `continuation(role, content)`
+    is the rest: the part of `close` the model did not produce, the new message, and the next generation prompt.
+    """
+
+    _PROBE = "\x07astratk-probe\x07"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
+        rendered = tokenizer.apply_chat_template(base, tokenize=False)
+        at = rendered.rfind(self._PROBE)
+        if at < 0:
+            raise ValueError("the chat template drops assistant content; multi-turn envs need one that keeps it")
+        self._base, self.close = rendered, rendered[at + len(self._PROBE):]
+        self._cache: dict[str, tuple[str, str]] = {}
+
+    def _frame(self, role: str) -> tuple[str, str]:
+        """(text before the message content, text after it up to and including the generation prompt)."""
+        if role not in self._cache:
+            probe = self._PROBE + "m"
+            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE},
+                    {"role": role, "content": probe}]
+            full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            if not full.startswith(self._base) or full.count(probe) != 1:
+                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn as "
+                                 "a plain continuation; multi-turn envs need a template with fixed turn separators")
+            rest = full[len(self._base):]
+            i = rest.index(probe)
+            self._cache[role] = (rest[:i], rest[i + len(probe):])
+        return self._cache[role]
+
+    def continuation(self, role: str, content: str, produced_close: str) -> str:
+        """Text to append after an assistant completion whose text ended with `produced_close` (the part of
+        `close` the model emitted, e.g. its stop token "<|im_end|>"; "" if it was cut off)."""
+        if not self.close.startswith(produced_close):
+            produced_close = ""
+        before, after = self._frame(role)
+        return self.close[len(produced_close):] + before + content + after
+
+
+# -------------------------------------------------------------------------------------------------- conversation
+
+
+@dataclass
+class Turn:
+    text: str  # the assistant's text, special tokens removed
+    completion: Completion
+    truncated: bool  # hit the per-turn or context token budget before a stop token
+
+
+@dataclass
+class Conversation:
+    """One role's token sequence over an episode. Build with `Conversation.start(...)`."""
+
+    tokenizer: Any
+    budget: Budget
+    tokens: list[int]
+    n_prompt: int
+    turns_api: ChatTurns
+    stop_ids: tuple[int, ...]
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    topk_ids: list[tuple[int, ...]] = field(default_factory=list)
+    topk_logprobs: list[tuple[float, ...]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=lambda: {
+        "turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "truncated_turns": 0.0, "env_tokens": 0.0,
+        "env_truncations": 0.0, "policy_tokens": 0.0, "context_exhausted": 0.0})
+    _last_close: str = ""
+
+    @classmethod
+    def start(cls, tokenizer: Any, messages: Sequence[Mapping[str, str]], budget: Budget = Budget(), *,
+              chat: ChatTurns | None = None) -> Conversation:
+        prompt = encode_chat(tokenizer, list(messages))
+        if len(prompt) >= budget.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, at or over budget.max_context="
+                             f"{budget.max_context}")
+        return cls(tokenizer, budget, list(prompt), len(prompt), chat or ChatTurns(tokenizer),
+                   stop_token_ids(tokenizer))
+
+    # ------------------------------------------------------------------------------------------------ state
+    @property
+    def turns(self) -> int:
+        return int(self.metrics["turns"])
+
+    @property
+    def room(self) -> int:
+        """Tokens left in the context budget."""
+        return self.budget.max_context - len(self.tokens)
+
+    @property
+    def can_continue(self) -> bool:
+        """Another assistant turn fits: turns left and at least one token of room."""
+        return self.turns < self.budget.max_turns and self.room > 0
+
+    # ------------------------------------------------------------------------------------------------ turns
+    async def assistant_turn(self, engine: Engine, sampling: SamplingParams) -> Turn:
+        """Generate the next assistant message from the whole conversation; append it with loss mask 1."""
+        if not self.can_continue:
+            raise RuntimeError(f"no assistant turn left: {self.turns}/{self.budget.max_turns} turns, "
+                               f"{self.room} tokens of context room (check `can_continue` first)")
+        per_turn = self.budget.max_tokens_per_turn or sampling.max_tokens
+        max_tokens = min(per_turn, self.room)
+        params = SamplingParams(temperature=sampling.temperature, max_tokens=max_tokens, stop_token_ids=self.stop_ids,
+                                seed=None if sampling.seed is None else sampling.seed + 7919 * self.turns,
+                                top_k_logprobs=sampling.top_k_logprobs)
+        [c] = await engine.generate([GenerationRequest(tuple(self.tokens), params)])
+        n = len(c.token_ids)
+        self.tokens += c.token_ids
+        self.loss_mask += [1] * n
+        self.logprobs += c.logprobs
+        self.versions += c.versions
+        self._extend_topk(c.topk_ids, c.topk_logprobs, n)
+        truncated = c.finish_reason != "stop"
+        ended = c.token_ids[-1] if n and not truncated else None
+        self._last_close = (self.tokenizer.convert_ids_to_tokens(ended) or "") if ended is not None else ""
+        text = self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
+        self.texts.append(text)
+        m = self.metrics
+        m["turns"] += 1
+        m["policy_tokens"] += n
+        m["truncated_turns"] += float(truncated)
+        if self.room <= 0:
+            m["context_exhausted"] = 1.0
+        return Turn(text, c, truncated)
+
+    def add_message(self, role: str, content: str, *, tool_call: bool = False, tool_error: bool = False) -> int:
+        """Append an environment/tool/user message (loss mask 0) and the next generation prompt; returns tokens added.
+        Content longer than `budget.max_env_tokens` is cut (counted in `env_truncations`); if the whole message does
+        not fit the context, what fits is kept and the conversation ends (`context_exhausted`)."""
+        ids = self._encode(self.turns_api.continuation(role, content, self._last_close))
+        frame_only = self._encode(self.turns_api.continuation(role, "", self._last_close))
+        if len(ids) - len(frame_only) > self.budget.max_env_tokens:
+            content_ids = self._encode(content)[: self.budget.max_env_tokens]
+            content = self.tokenizer.decode(content_ids, skip_special_tokens=False) + " ...[truncated]"
+            ids = self._encode(self.turns_api.continuation(role, content, self._last_close))
+            self.metrics["env_truncations"] += 1
+        if len(ids) >= self.room:  # the next turn would have no room at all
+            ids = ids[: max(0, self.room)]
+            self.metrics["context_exhausted"] = 1.0
+        self.tokens += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self._extend_topk((), (), len(ids))
+        self._last_close = ""
+        self.metrics["env_tokens"] += len(ids)
+        self.metrics["tool_calls"] += float(tool_call)
+        self.metrics["tool_errors"] += float(tool_error)
+        return len(ids)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _extend_topk(self, ids: Sequence[tuple[int, ...]], lps: Sequence[tuple[float, ...]], n: int) -> None:
+        if ids or self.topk_ids:  # keep top-K aligned with the completion once any turn has it
+            if not self.topk_ids and len(self.loss_mask) > n:
+                self.topk_ids = [()] * (len(self.loss_mask) - n)
+                self.topk_logprobs = [()] * (len(self.loss_mask) - n)
+            self.topk_ids += list(ids) if ids else [()] * n
+            self.topk_logprobs += list(lps) if lps else [()] * n
+
+    # ------------------------------------------------------------------------------------------------ output
+    def trajectory(self, task: Task, *, group_id: str, policy_id: str, role: str, text: str | None = None,
+                   metrics: Mapping[str, float] | None = None) -> Trajectory:
+        """The episode as one trajectory; `text` (what graders read) defaults to the last assistant message."""
+        finished = bool(self.texts) and not self.metrics["context_exhausted"] and not (
+            self.metrics["truncated_turns"] and self.loss_mask and self.loss_mask[-1] == 1)
+        return Trajectory(
+            task_id=task.task_id, group_id=group_id, policy_id=policy_id, role=role, tokens=tuple(self.tokens),
+            n_prompt=self.n_prompt, loss_mask=tuple(self.loss_mask), behavior_logprobs=tuple(self.logprobs),
+            behavior_versions=tuple(self.versions), finished=finished,
+            text=self.texts[-1] if text is None and self.texts else (text or ""),
+            metrics={**self.metrics, "completion_tokens": self.metrics["policy_tokens"], **(metrics or {})},
+            behavior_topk_ids=tuple(self.topk_ids), behavior_topk_logprobs=tuple(self.topk_logprobs))

@@ -1,0 +1,88 @@
+"""Multi-turn machinery: token-space conversations equal the chat template's rendering, env output is masked, budgets
+bind and are counted, tool calls parse (and malformed ones are reported)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from astratk.contracts import SamplingParams
+from astratk.engines import ScriptedEngine
+from astratk.envs.chat import encode_chat
+from astratk.envs.multiturn import Budget, ChatTurns, Conversation, parse_tags, parse_tool_calls
+from astratk.models import build_char_tokenizer
+from astratk.records import Task
+
+TOK = build_char_tokenizer()
+END = TOK.convert_tokens_to_ids("<|im_end|>")
+TASK = Task("t/1", "test", "2+2?")
+
+
+def said(text: str, end: bool = True) -> list[int]:
+    return list(TOK(text, add_special_tokens=False)["input_ids"]) + ([END] if end else [])
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_chat_turns_follow_the_template():
+    turns = ChatTurns(TOK)
+    assert turns.close == "<|im_end|>\n"
+    assert turns.continuation("tool", "X", "<|im_end|>") == "\n<|im_start|>tool\nX<|im_end|>\n<|im_start|>assistant\n"
+    assert turns.continuation("user", "Y", "").startswith("<|im_end|>\n<|im_start|>user\nY")  # cut-off turn closed
+
+
+def test_conversation_equals_template_rendering_and_masks_env_tokens():
+    engine = ScriptedEngine(TOK, [said("<search>x</search>"), said("4")])
+    msgs = [{"role": "user", "content": "2+2?"}]
+    conv = Conversation.start(TOK, msgs, Budget(max_turns=3))
+    first = run(conv.assistant_turn(engine, SamplingParams(max_tokens=32)))
+    assert parse_tags(first.text, ["search", "answer"]) == [("search", "x")]
+    n_env = conv.add_message("tool", "x is 4", tool_call=True)
+    second = run(conv.assistant_turn(engine, SamplingParams(max_tokens=32)))
+    assert second.text == "4" and not second.truncated
+    rendered = encode_chat(TOK, msgs + [{"role": "assistant", "content": "<search>x</search>"},
+                                        {"role": "tool", "content": "x is 4"}])
+    assert conv.tokens[:len(rendered)] == rendered  # nothing re-tokenised differently from the template
+    traj = conv.trajectory(TASK, group_id="g", policy_id="p", role="solver")
+    completion_mask = list(traj.loss_mask)
+    n1, n2 = len(said("<search>x</search>")), len(said("4"))
+    assert completion_mask == [1] * n1 + [0] * n_env + [1] * n2
+    assert traj.behavior_versions == (0,) * n1 + (-1,) * n_env + (0,) * n2
+    assert all(lp == 0.0 for lp, m in zip(traj.behavior_logprobs, completion_mask) if not m)
+    assert traj.text == "4" and traj.finished
+    assert traj.metrics["turns"] == 2 and traj.metrics["tool_calls"] == 1 and traj.metrics["env_tokens"] == n_env
+
+
+def test_budgets_bind_and_are_counted():
+    engine = ScriptedEngine(TOK, [said("a" * 50, end=False)])
+    conv = Conversation.start(TOK, [{"role": "user", "content": "q"}], Budget(max_turns=2, max_tokens_per_turn=10,
+                                                                                max_env_tokens=5))
+    t = run(conv.assistant_turn(engine, SamplingParams(max_tokens=99)))
+    assert t.truncated and len(t.completion.token_ids) == 10
+    conv.add_message("user", "z" * 40)
+    text = TOK.decode(conv.tokens)
+    assert conv.metrics["env_truncations"] == 1 and "z" * 5 + " ...[truncated]" in text and "z" * 6 not in text
+    run(conv.assistant_turn(engine, SamplingParams(max_tokens=99)))
+    assert not conv.can_continue and conv.metrics["truncated_turns"] == 2
+    with pytest.raises(RuntimeError, match="no assistant turn left"):
+        run(conv.assistant_turn(engine, SamplingParams()))
+    assert not conv.trajectory(TASK, group_id="g", policy_id="p", role="r").finished
+
+    small = Conversation.start(TOK, [{"role": "user", "content": "q"}], Budget(max_turns=9, max_context=40))
+    run(small.assistant_turn(engine, SamplingParams(max_tokens=99)))
+    assert len(small.tokens) == 40 and small.metrics["context_exhausted"] == 1 and not small.can_continue
+    with pytest.raises(ValueError, match="max_context"):
+        Conversation.start(TOK, [{"role": "user", "content": "q" * 50}], Budget(max_context=20))
+
+
+def test_tool_call_parsing():
+    text = ('<tool_call>{"name": "search", "arguments": {"q": "bm25"}}</tool_call> then '
+            '<tool_call>{"name": oops}</tool_call><tool_call>{"arguments": {}}</tool_call>')
+    good, bad_json, no_name = parse_tool_calls(text)
+    assert good.name == "search" and good.arguments == {"q": "bm25"} and not good.error
+    assert bad_json.error.startswith("invalid JSON") and no_name.error.startswith("a tool call needs")
+    assert parse_tool_calls("no calls") == []
+    assert parse_tags("<answer> 42 </answer><search>unclosed", ["answer", "search"]) == [("answer", "42")]
