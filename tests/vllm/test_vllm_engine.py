@@ -12,6 +12,7 @@ import asyncio
 import importlib.util
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -249,7 +250,12 @@ def test_versions_change_exactly_at_the_update(engine, models, tok):
     state = {k: v.detach().clone() for k, v in models[0].state_dict().items()}
     v0 = engine.version
     long_reqs = [GenerationRequest(x, SamplingParams(max_tokens=60, seed=i)) for i, x in enumerate(p)]
+    admitted = engine.stats["requests"] + len(long_reqs)
     first = engine.submit(long_reqs)
+    deadline = time.monotonic() + 60
+    while engine.stats["requests"] < admitted and time.monotonic() < deadline:  # in flight before the load arrives
+        time.sleep(0.001)
+    assert not first.done()
     loader = threading.Thread(target=engine.load_weights, args=(state, v0 + 1))
     loader.start()
     loader.join(timeout=120)
