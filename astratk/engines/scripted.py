@@ -66,8 +66,9 @@ class ScriptedEngine:
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         return [self._complete(r) for r in requests]
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        self.loads.append((version, tuple(sorted(state))))
+    def load_weights(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
+        names = state.changes if hasattr(state, "changes") else state  # a SparseDelta: the names it changes
+        self.loads.append((version, tuple(sorted(names))))
         self._version = version
 
     def close(self) -> None:
