@@ -140,12 +140,23 @@ class RolloutService:
         return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, self.name)
 
     def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
+        """Score each lease's episodes in one `env.score` call over all its roles' trajectories (a workflow's reward
+        for one role may depend on another role's output, e.g. a verifier's on the solver's answer; `group_id`
+        "<lease>/<episode>" pairs the roles of one episode), then split the rewards back into the role groups."""
         out = []
         for res in results:
-            groups = []
+            if not res.groups:
+                out.append(res)
+                continue
+            flat = [t for g in res.groups for t in g.trajectories]
+            rewards = list(self.env.score(res.groups[0].task, flat))
+            if len(rewards) != len(flat):
+                raise ValueError(f"env {self.env.name!r}: score returned {len(rewards)} rewards for {len(flat)} "
+                                 "trajectories")
+            groups, at = [], 0
             for g in res.groups:
-                rewards = self.env.score(g.task, g.trajectories)
-                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(g.trajectories, rewards))
+                mine, at = rewards[at:at + len(g.trajectories)], at + len(g.trajectories)
+                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(g.trajectories, mine))
                 groups.append(dataclasses.replace(g, trajectories=trajs))
             out.append(dataclasses.replace(res, groups=tuple(groups)))
         return out
@@ -169,16 +180,21 @@ class RolloutService:
             return list(await asyncio.gather(*(one(t) for t in tasks)))
 
         episodes = asyncio.run(run_all())
-        rewards = []
+        by_role: dict[str, list[float]] = {role: [] for role in self.env.roles}
         for task, trajs in zip(tasks, episodes):
-            scores = [s for s in self.env.score(task, trajs) if s is not None]
-            rewards.append(sum(scores) / len(scores) if scores else 0.0)
+            scores = self.env.score(task, trajs)
+            for role in self.env.roles:  # an unscorable episode counts as 0 (evaluation must not drop tasks)
+                mine = [s for s, t in zip(scores, trajs) if t.role == role and s is not None]
+                by_role[role].append(sum(mine) / len(mine) if mine else 0.0)
+        rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (solver's)
         try:
             published_at = self.store.ref(policy_id, version).published_at
         except KeyError:  # pruned in the instant since the load: the time is unknown, the accuracy still stands
             published_at = float("nan")
+        per_role = {f"accuracy_{role}": sum(v) / max(1, len(v)) for role, v in by_role.items()} if len(by_role) > 1 else {}
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
-                "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at}
+                "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
+                **per_role}
 
 
 def _groups_by_role(lease: Lease, trajectories: list[Trajectory], service: str) -> tuple[Group, ...]:
