@@ -115,6 +115,10 @@ class Env(abc.ABC):
         """A reference completion for supervised warm starts; envs without one raise."""
         raise NotImplementedError(f"env {self.name!r} has no demonstrations; give model.path instead of a warm start")
 
+    def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
+        """(opening messages, reference completion) pairs for supervised warm starts; one per role for workflows."""
+        return [(self.messages(task), self.demonstration(task))]
+
     def messages(self, task: Task) -> list[dict[str, str]]:
         """The chat messages that open an episode (warm starts train on them; single-turn envs roll out from them)."""
         raise NotImplementedError(f"env {self.name!r} does not expose its opening messages")

@@ -144,6 +144,7 @@ class TrainBatch:
     rewards: torch.Tensor | None = None  # [B] float32
     topk_ids: torch.Tensor | None = None  # [B, T, K] int64, engine's top-K ids (0 off the completion)
     topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] float32, their log mu (0 off the completion)
+    roles: tuple[str, ...] = ()  # [B] the env role of each row (workflows train one policy on several roles)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

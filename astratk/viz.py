@@ -27,11 +27,19 @@ class AstraAccessor:
         return self._ds[present].to_dataframe().reset_index().dropna(subset=present, how="all")
 
     def reward(self) -> Any:
-        """Training reward (mean over each step's batch) per step, one line per policy."""
+        """Training reward (mean over each step's batch) per step, one line per policy; in a workflow run one line
+        per (policy, role) instead (`train_reward_mean_<role>`)."""
         import hvplot.pandas  # noqa: F401  (registers .hvplot)
 
-        df = self._frame("step", ["train_reward_mean"])
-        return df.hvplot.line(x="step", y="train_reward_mean", by="policy", title="training reward",
+        per_role = sorted(str(n) for n in self._ds.data_vars if str(n).startswith("train_reward_mean_"))
+        if not per_role:
+            df = self._frame("step", ["train_reward_mean"])
+            return df.hvplot.line(x="step", y="train_reward_mean", by="policy", title="training reward",
+                                  ylabel="mean reward", xlabel="optimizer step")
+        df = self._frame("step", per_role).melt(id_vars=["policy", "step"], value_vars=per_role, var_name="role",
+                                                value_name="reward").dropna(subset=["reward"])
+        df["series"] = df["policy"].astype(str) + " / " + df["role"].str.removeprefix("train_reward_mean_")
+        return df.hvplot.line(x="step", y="reward", by="series", title="training reward per role",
                               ylabel="mean reward", xlabel="optimizer step")
 
     def accuracy(self) -> Any:

@@ -16,7 +16,9 @@ thread), seed 1 at 761 steps with 31.8% (89 s), seed 2 runs to the cap with 26.6
 Deterministic: training runs on one torch thread (a different thread count changes float reduction order) with a
 seeded RNG, and the data order is the env's seeded train stream, so one spec gives bit-identical weights.
 
-Extending: an env takes part by implementing `demonstration(task)`, `messages(task)` and `grade(task, text)`.
+Extending: an env takes part by implementing `demonstration(task)`, `messages(task)` and `grade(task, text)`; a
+workflow with several roles overrides `demonstrations(task)` to teach every role's format (held-out accuracy is the
+first role's, through `messages`/`grade`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ def _require(env: Env, *methods: str) -> None:
                          "or give model.path (an HF model directory) instead of building the tiny model")
 
 
-def _example(tok, env: Env, task: Task) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids): the completion is the demonstration then <|im_end|>."""
-    prompt = encode_chat(tok, env.messages(task))  # type: ignore[attr-defined]
-    completion = tok(env.demonstration(task), add_special_tokens=False)["input_ids"]
-    return prompt, completion + [tok.convert_tokens_to_ids("<|im_end|>")]
+def _examples(tok, env: Env, task: Task) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) per demonstration of `task` (`env.demonstrations`: one per role of a workflow);
+    each completion is the demonstration then <|im_end|>."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return [(encode_chat(tok, messages), tok(text, add_special_tokens=False)["input_ids"] + [end])
+            for messages, text in env.demonstrations(task)]
 
 
 def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -128,7 +131,7 @@ def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
         torch.manual_seed(spec.seed)
         while step < spec.warm_start_steps:
             step += 1
-            batch = [_example(tok, env, t) for t in itertools.islice(stream, spec.warm_start_batch)]
+            batch = list(itertools.islice((ex for t in stream for ex in _examples(tok, env, t)), spec.warm_start_batch))
             loss, hit = completion_loss(model, *_collate(batch, tok.pad_token_id))
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -50,7 +50,8 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
                     top_lp[i, p - 1 + j] = torch.tensor(lps[:k])
     return TrainBatch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
                       behavior_logprobs=behavior, advantages=advantages, weights=weights, versions=versions,
-                      n_groups=len(groups), rewards=rewards, topk_ids=top_ids, topk_behavior_logprobs=top_lp)
+                      n_groups=len(groups), rewards=rewards, topk_ids=top_ids, topk_behavior_logprobs=top_lp,
+                      roles=tuple(t.role for t, _ in rows))
 
 
 def _advantages(group: Group) -> Sequence[float]:

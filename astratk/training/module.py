@@ -142,6 +142,11 @@ class PolicyModule(pl.LightningModule):
             "behavior_version_min": batch.versions.masked_fill(mask == 0, 2**62).min().float(),
             "behavior_version_max": batch.versions.masked_fill(mask == 0, -1).max().float(),
         }
+        roles = sorted(set(batch.roles))
+        if batch.rewards is not None and roles != ["policy"]:  # workflows: one reward curve per role
+            for role in roles:
+                rows = torch.tensor([r == role for r in batch.roles])
+                metrics[f"reward_mean_{role}"] = batch.rewards[rows].mean()
         metrics.update({k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v))
                         for k, v in extra_metrics.items()})
         self.step_metrics = {prefix + k: float(v) for k, v in metrics.items()}

@@ -146,7 +146,7 @@ def test_warm_start_target_must_be_a_fraction():
 def test_loss_covers_exactly_the_demonstration_and_end_of_turn():
     tok, env = build_char_tokenizer(), ArithmeticEnv(n_heldout=4)
     task = next(iter(env.tasks("train")))
-    ids, attn, target = ws._collate([ws._example(tok, env, task), ws._example(tok, env, task)], tok.pad_token_id)
+    ids, attn, target = ws._collate([ws._examples(tok, env, task)[0], ws._examples(tok, env, task)[0]], tok.pad_token_id)
     assert tok.decode(ids[0][target[0]]) == task.info["answer"] + "<|im_end|>"
     assert attn.sum() == 2 * len(ids[0])  # equal lengths: no padding
 
@@ -154,7 +154,7 @@ def test_loss_covers_exactly_the_demonstration_and_end_of_turn():
 def test_exact_match_means_every_completion_token_is_the_greedy_choice():
     tok, env = build_char_tokenizer(), ArithmeticEnv(n_heldout=4)
     tasks = list(itertools.islice(env.tasks("train"), 2))
-    ids, attn, target = ws._collate([ws._example(tok, env, t) for t in tasks], tok.pad_token_id)
+    ids, attn, target = ws._collate([ws._examples(tok, env, t)[0] for t in tasks], tok.pad_token_id)
 
     class Oracle(torch.nn.Module):  # predicts the true next token, except one completion token of example 1
         def forward(self, input_ids, attention_mask):

@@ -1,0 +1,148 @@
+"""Math solver + verifier (AstraFlow's headline multi-policy workflow; ALGORITHMS §5).
+
+One episode: the solver answers; the verifier sees the problem and the answer and replies ACCEPT or REJECT; on REJECT
+the solver retries once with the verifier's reply in its context (a second turn of the solver's conversation: the
+reply is appended with loss mask 0). Rewards (ALGORITHMS §5): solver 1 if its final answer is correct, else 0;
+verifier 1 if its verdict matches the truth of the answer it judged (a reply with neither word is wrong).
+
+Roles are `solver` and `verifier`; which policy plays each is configuration (`PolicySpec.roles`), so one shared policy
+or two separate ones run the same code. The judged answer's truth is graded during the rollout (the base env's
+`grade`, a cheap CPU function) and carried in the verifier trajectory's metrics, so `score` needs no other process.
+
+Example:
+    >>> env = SolverVerifierEnv(base=ArithmeticEnv(levels=[1, 2]))  # doctest: +SKIP
+    >>> solver, verifier = await env.rollout(task, {"solver": e, "verifier": e}, sampling,  # doctest: +SKIP
+    ...                                      policy_ids={"solver": "main", "verifier": "main"}, group_id="g/0")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.envs.multiturn import Budget, ChatTurns, Conversation
+from astratk.records import Task, Trajectory
+
+_VERDICT = re.compile(r"\b(ACCEPT|REJECT)\b", re.IGNORECASE)
+
+
+def parse_verdict(text: str) -> str | None:
+    """"accept" / "reject" from the first of the two words in `text` (any case), None when neither appears."""
+    m = _VERDICT.search(text)
+    return m.group(1).lower() if m else None
+
+
+class SolverVerifierEnv(Env):
+    """Solver + verifier over any base env with `messages`, `grade` and `demonstration` (math envs)."""
+
+    name = "solver_verifier"
+    roles = ("solver", "verifier")
+
+    def __init__(self, base: Env | None = None, retry: bool = True, verifier_prompt: str = "Check: {problem} "
+                 "Answer: {answer} Reply ACCEPT or REJECT.", retry_prompt: str = "{verdict} Try again.",
+                 max_context: int = 256) -> None:
+        self.base = base if base is not None else ArithmeticEnv()
+        for method in ("messages", "grade"):
+            if not callable(getattr(self.base, method, None)):
+                raise ValueError(f"base env {self.base.name!r} lacks {method}(); the solver + verifier workflow needs it")
+        if "{problem}" not in verifier_prompt or "{answer}" not in verifier_prompt:
+            raise ValueError("verifier_prompt must contain {problem} and {answer}")
+        self.retry, self.verifier_prompt, self.retry_prompt = retry, verifier_prompt, retry_prompt
+        self.budget = Budget(max_turns=2 if retry else 1, max_context=max_context)
+        self._chat: dict[int, ChatTurns] = {}  # per tokenizer (id), template probes are cached
+
+    # ------------------------------------------------------------------------------------------------ tasks
+    def tasks(self, split: str) -> Iterable[Task]:
+        return self.base.tasks(split)
+
+    def messages(self, task: Task) -> list[dict[str, str]]:
+        return self.base.messages(task)
+
+    def demonstration(self, task: Task) -> str:
+        return self.base.demonstration(task)
+
+    def grade(self, task: Task, text: str) -> float:
+        return self.base.grade(task, text)
+
+    def verifier_messages(self, task: Task, answer: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.verifier_prompt.format(problem=task.prompt, answer=answer.strip())}]
+
+    def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
+        """The solver's demonstration, and a verifier example judging either the right answer or a wrong one (half
+        each, by task id), so a warm-started tiny model knows both formats."""
+        right = self.base.demonstration(task)
+        wrong = _perturb(right, task.task_id)
+        shown = right if int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16) % 2 == 0 else wrong
+        verdict = "ACCEPT" if self.base.grade(task, shown) == 1.0 else "REJECT"
+        return [(self.messages(task), right), (self.verifier_messages(task, shown), verdict)]
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
+                      policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
+        solver_engine, verifier_engine = engines["solver"], engines["verifier"]
+        solver = Conversation.start(solver_engine.tokenizer, self.messages(task), self.budget,
+                                    chat=self._chat_for(solver_engine.tokenizer))
+        first = await solver.assistant_turn(solver_engine, sampling)
+        judged_correct = self.base.grade(task, first.text)
+
+        verifier = Conversation.start(verifier_engine.tokenizer, self.verifier_messages(task, first.text),
+                                      Budget(max_turns=1, max_context=self.budget.max_context),
+                                      chat=self._chat_for(verifier_engine.tokenizer))
+        reply = await verifier.assistant_turn(verifier_engine, _reseeded(sampling, 104729))
+        verdict = parse_verdict(reply.text)
+
+        retried = self.retry and verdict == "reject" and solver.can_continue
+        if retried:
+            solver.add_message("user", self.retry_prompt.format(verdict=reply.text.strip()))
+            if solver.can_continue:
+                await solver.assistant_turn(solver_engine, sampling)
+        verdict_code = {"accept": 1.0, "reject": 0.0}.get(verdict or "", -1.0)
+        return [
+            solver.trajectory(task, group_id=group_id, policy_id=policy_ids["solver"], role="solver",
+                              metrics={"retried": float(retried), "first_correct": judged_correct,
+                                       "verdict": verdict_code}),
+            verifier.trajectory(task, group_id=group_id, policy_id=policy_ids["verifier"], role="verifier",
+                                metrics={"judged_correct": judged_correct, "verdict": verdict_code}),
+        ]
+
+    def _chat_for(self, tokenizer) -> ChatTurns:
+        key = id(tokenizer)
+        if key not in self._chat:
+            self._chat[key] = ChatTurns(tokenizer)
+        return self._chat[key]
+
+    # ------------------------------------------------------------------------------------------------ score
+    def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:
+        """Solver: its final answer graded by the base env. Verifier: 1 when ACCEPT met a correct answer or REJECT
+        a wrong one (`judged_correct`, graded during the rollout), 0 otherwise, including replies with no verdict."""
+        out: list[float | None] = []
+        for t in trajectories:
+            if t.role == "solver":
+                out.append(self.base.grade(task, t.text))
+            elif t.role == "verifier":
+                verdict, truth = t.metrics.get("verdict", -1.0), t.metrics.get("judged_correct")
+                out.append(None if truth is None else float(verdict >= 0 and verdict == truth))
+            else:
+                raise ValueError(f"{self.name}: unknown role {t.role!r} in trajectory {t.group_id}")
+        return out
+
+
+def _reseeded(sampling: SamplingParams, salt: int) -> SamplingParams:
+    """The same sampling with a seed derived for another role (None stays None)."""
+    if sampling.seed is None:
+        return sampling
+    return SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
+                          stop_token_ids=sampling.stop_token_ids, seed=sampling.seed + salt,
+                          top_k_logprobs=sampling.top_k_logprobs, stop=sampling.stop)
+
+
+def _perturb(answer: str, key: str) -> str:
+    """A plausible wrong answer: the number moved by 1-9 (deterministic per key), or the text with a digit appended."""
+    offset = 1 + int(hashlib.sha256(key.encode()).hexdigest(), 16) % 9
+    try:
+        return str(int(answer.strip()) + offset)
+    except ValueError:
+        return answer.strip() + str(offset)

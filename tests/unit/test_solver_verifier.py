@@ -1,0 +1,131 @@
+"""Math solver + verifier workflow: retry on reject, per-role rewards (ALGORITHMS §5), masks, warm-start
+demonstrations for both roles, and the rollout service scoring both roles of a lease together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from astratk.contracts import SamplingParams
+from astratk.engines import ScriptedEngine
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.envs.workflows import SolverVerifierEnv, parse_verdict
+from astratk.models import build_char_tokenizer
+
+TOK = build_char_tokenizer()
+END = TOK.convert_tokens_to_ids("<|im_end|>")
+
+
+def ids(text: str) -> list[int]:
+    return list(TOK(text, add_special_tokens=False)["input_ids"]) + [END]
+
+
+def scripted(first: str, verdict: str, second: str = "") -> ScriptedEngine:
+    """Solver answers `first`, then `second` after a retry prompt; the verifier replies `verdict`."""
+
+    def script(prompt, params):
+        text = TOK.decode(list(prompt))
+        if "Check:" in text:
+            return ids(verdict)
+        return ids(second if "Try again" in text else first)
+
+    return ScriptedEngine(TOK, script)
+
+
+def episode(env, engine, task):
+    return asyncio.run(env.rollout(task, {"solver": engine, "verifier": engine}, SamplingParams(max_tokens=16),
+                                   policy_ids={"solver": "a", "verifier": "b"}, group_id="lease/0"))
+
+
+@pytest.fixture(scope="module")
+def env():
+    return SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
+
+
+@pytest.fixture(scope="module")
+def task(env):
+    return next(iter(env.tasks("train")))
+
+
+def test_reject_then_correct_retry(env, task):
+    right = task.info["answer"]
+    wrong = str(int(right) + 1)
+    solver, verifier = episode(env, scripted(wrong, "REJECT", right), task)
+    assert (solver.role, solver.policy_id, verifier.role, verifier.policy_id) == ("solver", "a", "verifier", "b")
+    assert solver.text == right and solver.metrics["retried"] == 1 and solver.metrics["turns"] == 2
+    assert env.score(task, [solver, verifier]) == [1.0, 1.0]  # right after the retry; a correct rejection
+    mask = solver.loss_mask  # answer (1) / verifier feedback (0) / retried answer (1)
+    n1, n2 = len(ids(wrong)), len(ids(right))
+    assert mask[:n1] == (1,) * n1 and mask[-n2:] == (1,) * n2 and set(mask[n1:-n2]) == {0}
+    assert "REJECT Try again." in TOK.decode(list(solver.tokens))
+
+
+def test_rewards_per_role_follow_the_protocol(env, task):
+    right = task.info["answer"]
+    wrong = str(int(right) + 1)
+    cases = [  # (first answer, verdict, retry answer) -> (solver reward, verifier reward)
+        ((right, "ACCEPT", ""), (1.0, 1.0)),
+        ((right, "REJECT", wrong), (0.0, 0.0)),  # wrongly rejected, and the retry went wrong
+        ((wrong, "ACCEPT", ""), (0.0, 0.0)),  # wrongly accepted: no retry
+        ((wrong, "no idea", ""), (0.0, 0.0)),  # no verdict: verifier wrong, no retry
+    ]
+    for (first, verdict, second), expected in cases:
+        solver, verifier = episode(env, scripted(first, verdict, second), task)
+        assert tuple(env.score(task, [solver, verifier])) == expected, (first, verdict, second)
+        assert solver.metrics["retried"] == float(verdict == "REJECT")
+
+
+def test_no_retry_mode_and_verdict_parsing(task):
+    env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8), retry=False)
+    solver, _ = episode(env, scripted("0", "REJECT", "1"), task)
+    assert solver.metrics["retried"] == 0 and solver.metrics["turns"] == 1
+    assert parse_verdict("I would reject this") == "reject" and parse_verdict("ACCEPTED?") is None
+    assert parse_verdict("accept. no, REJECT") == "accept"  # the first verdict word counts
+
+
+def test_demonstrations_teach_both_roles(env):
+    tasks = list(env.tasks("heldout"))
+    verdicts = []
+    for t in tasks:
+        (solver_msgs, answer), (verifier_msgs, verdict) = env.demonstrations(t)
+        assert solver_msgs == env.messages(t) and answer == t.info["answer"]
+        shown = verifier_msgs[0]["content"].split("Answer: ")[1].split(" Reply")[0]
+        assert verdict == ("ACCEPT" if shown == answer else "REJECT")
+        verdicts.append(verdict)
+    assert set(verdicts) == {"ACCEPT", "REJECT"}
+
+
+def test_service_scores_both_roles_of_a_lease_with_one_shared_policy(tmp_path):
+    """One policy plays both roles: the service routes both, groups per role, scores the lease in one call."""
+    from astratk.dataflow.datalayer import DataLayer
+    from astratk.dataflow.handle import DataLayerHandle
+    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.spec import DataflowSpec, PolicySpec, RolloutSpec, RunSpec
+
+    env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
+    spec = RunSpec(env=env, policies=[PolicySpec(roles=["solver", "verifier"])],
+                   rollout=RolloutSpec(engine="scripted", group_size=3, max_new_tokens=8),
+                   dataflow=DataflowSpec(filter_zero_variance=False)).validate()
+    handle = DataLayerHandle(DataLayer(spec))
+    service = RolloutService(RunContext("sv", spec, {"main": None}, f"memory://sv-{tmp_path.name}"))
+    engine = scripted("0", "REJECT", "0")
+    service._engines[("rollout", "main")] = engine  # the scripted engine stands in for the policy's engine
+    [res] = service.score(service.rollout(handle.call("lease", 1)))
+    by_role = {g.group_id.rsplit("/", 1)[1]: g for g in res.groups}
+    assert set(by_role) == {"solver", "verifier"} and all(g.policy_id == "main" for g in res.groups)
+    assert all(len(g.trajectories) == 3 for g in res.groups)
+    task = res.groups[0].task
+    want_verifier = 1.0 if task.info["answer"] != "0" else 0.0  # REJECT is right iff "0" is wrong
+    assert [t.reward for t in by_role["verifier"].trajectories] == [want_verifier] * 3
+    assert [t.reward for t in by_role["solver"].trajectories] == [float(task.info["answer"] == "0")] * 3
+
+
+def test_warm_start_batches_hold_both_roles_and_collate_keeps_roles():
+    from astratk.models import warm_start as ws
+
+    env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
+    task = next(iter(env.tasks("train")))
+    (p1, c1), (p2, c2) = ws._examples(TOK, env, task)
+    assert TOK.decode(c1) == task.info["answer"] + "<|im_end|>"
+    assert TOK.decode(c2) in ("ACCEPT<|im_end|>", "REJECT<|im_end|>") and "Check:" in TOK.decode(p2)
