@@ -47,7 +47,7 @@ class SolverVerifierEnv(Env):
         self.base = base if base is not None else ArithmeticEnv()
         for method in ("messages", "grade"):
             if not callable(getattr(self.base, method, None)):
-                raise ValueError(f"base env {self.base.name!r} lacks {method}(); the solver + verifier workflow needs it")
+                raise TypeError(f"base env {self.base.name!r} lacks {method}(); the solver + verifier workflow needs it")
         if "{problem}" not in verifier_prompt or "{answer}" not in verifier_prompt:
             raise ValueError("verifier_prompt must contain {problem} and {answer}")
         self.retry, self.verifier_prompt, self.retry_prompt = retry, verifier_prompt, retry_prompt

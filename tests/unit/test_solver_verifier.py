@@ -126,6 +126,6 @@ def test_warm_start_batches_hold_both_roles_and_collate_keeps_roles():
 
     env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
     task = next(iter(env.tasks("train")))
-    (p1, c1), (p2, c2) = ws._examples(TOK, env, task)
+    (_, c1), (p2, c2) = ws._examples(TOK, env, task)
     assert TOK.decode(c1) == task.info["answer"] + "<|im_end|>"
     assert TOK.decode(c2) in ("ACCEPT<|im_end|>", "REJECT<|im_end|>") and "Check:" in TOK.decode(p2)
