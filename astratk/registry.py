@@ -29,6 +29,10 @@ REGISTRY: dict[str, dict[str, str]] = {
     },
     "env": {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",
+        "solver_verifier": "astratk.envs.workflows.solver_verifier.SolverVerifierEnv",
+        "search": "astratk.envs.search.env.SearchEnv",
+        "household": "astratk.envs.agentbench.household.HouseholdEnv",
+        "db": "astratk.envs.agentbench.db.DatabaseEnv",
     },
     "correction": {
         "tis": "astratk.losses.corrections.TIS",

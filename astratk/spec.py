@@ -30,6 +30,9 @@ class TinyModelSpec:
     num_heads: int = 4  # head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)
     num_kv_heads: int = 2
     intermediate_size: int = 384
+    # Longest sequence (prompt + every turn) the model serves; multi-turn envs (search, agents) need more than 256.
+    # Engines size their KV cache by it (vLLM: max_batch x max_positions tokens).
+    max_positions: int = 256
     # Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start from well-formed,
     # partly right answers. It stops once the running exact-match on unseen train batches reaches the target (None:
     # run every step); the steps are a cap. Default arithmetic env: ~30% held-out in under a minute on one thread.

@@ -111,6 +111,7 @@ class ChatTurns:
             raise ValueError("the chat template drops assistant content; multi-turn envs need one that keeps it")
         self._base, self.close = rendered, rendered[at + len(self._PROBE):]
         self._cache: dict[str, tuple[str, str]] = {}
+        self._frames: dict[tuple[str, str, str], list[int]] = {}
 
     def _frame(self, role: str) -> tuple[str, str]:
         """(text before the message content, text after it up to and including the generation prompt)."""
@@ -126,6 +127,13 @@ class ChatTurns:
             i = rest.index(probe)
             self._cache[role] = (rest[:i], rest[i + len(probe):])
         return self._cache[role]
+
+    def frame_tokens(self, role: str, produced_close: str, encode: Any) -> list[int]:
+        """Token ids of an empty message's continuation (cached): the overhead a message adds around its content."""
+        key = ("frame", role, produced_close)
+        if key not in self._frames:
+            self._frames[key] = encode(self.continuation(role, "", produced_close))
+        return self._frames[key]
 
     def continuation(self, role: str, content: str, produced_close: str) -> str:
         """Text to append after an assistant completion whose text ended with `produced_close` (the part of
@@ -202,7 +210,7 @@ class Conversation:
         max_tokens = min(per_turn, self.room)
         params = SamplingParams(temperature=sampling.temperature, max_tokens=max_tokens, stop_token_ids=self.stop_ids,
                                 seed=None if sampling.seed is None else sampling.seed + 7919 * self.turns,
-                                top_k_logprobs=sampling.top_k_logprobs)
+                                top_k_logprobs=sampling.top_k_logprobs, stop=sampling.stop)
         [c] = await engine.generate([GenerationRequest(tuple(self.tokens), params)])
         n = len(c.token_ids)
         self.tokens += c.token_ids
@@ -228,7 +236,7 @@ class Conversation:
         Content longer than `budget.max_env_tokens` is cut (counted in `env_truncations`); if the whole message does
         not fit the context, what fits is kept and the conversation ends (`context_exhausted`)."""
         ids = self._encode(self.turns_api.continuation(role, content, self._last_close))
-        frame_only = self._encode(self.turns_api.continuation(role, "", self._last_close))
+        frame_only = self.turns_api.frame_tokens(role, self._last_close, self._encode)
         if len(ids) - len(frame_only) > self.budget.max_env_tokens:
             content_ids = self._encode(content)[: self.budget.max_env_tokens]
             content = self.tokenizer.decode(content_ids, skip_special_tokens=False) + " ...[truncated]"

@@ -95,6 +95,7 @@ def _build(tiny: TinyModelSpec, env: Env, key: str, out: Path, log: Callable[[st
     model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=tok.pad_token_id, do_sample=False)
     with _no_progress_bar():
         model.save_pretrained(str(out))  # config.json, model.safetensors, generation_config.json
+    tok.model_max_length = tiny.max_positions
     save_char_tokenizer(tok, out)  # verifies the AutoTokenizer round trip
     record = {"key": key, "kit_version": KIT_VERSION, "seed": tiny.seed, "steps": report.steps,
               "max_steps": tiny.warm_start_steps, "target": tiny.warm_start_target,

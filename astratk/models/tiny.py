@@ -16,8 +16,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from astratk.spec import TinyModelSpec
 
-MAX_POSITIONS = 256  # prompts and completions of the built-in envs are far shorter; RoPE needs a bound
-
 
 def check_tiny_spec(spec: TinyModelSpec) -> None:
     """Reject shapes the engines cannot serve, naming the fields to change."""
@@ -30,6 +28,8 @@ def check_tiny_spec(spec: TinyModelSpec) -> None:
     if spec.warm_start_target is not None and not 0.0 <= spec.warm_start_target <= 1.0:
         raise ValueError(f"model.tiny.warm_start_target: a fraction in [0, 1] or None (run every step), got "
                          f"{spec.warm_start_target}")
+    if spec.max_positions < 64:
+        raise ValueError(f"model.tiny.max_positions must be >= 64 (prompt + completion), got {spec.max_positions}")
     if spec.num_heads % spec.num_kv_heads:
         raise ValueError(f"model.tiny: num_heads ({spec.num_heads}) must be a multiple of num_kv_heads "
                          f"({spec.num_kv_heads}) for grouped-query attention")
@@ -46,7 +46,7 @@ def tiny_config(spec: TinyModelSpec, tokenizer) -> Qwen2Config:
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.hidden_size // spec.num_heads,
         intermediate_size=spec.intermediate_size,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=spec.max_positions,
         tie_word_embeddings=True,  # saves vocab x hidden parameters; the vocabulary is tiny anyway
         bos_token_id=None,
         eos_token_id=[im_end, tokenizer.eos_token_id],  # a turn ends at <|im_end|>

@@ -71,13 +71,19 @@ class SolverVerifierEnv(Env):
         return [{"role": "user", "content": self.verifier_prompt.format(problem=task.prompt, answer=answer.strip())}]
 
     def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
-        """The solver's demonstration, and a verifier example judging either the right answer or a wrong one (half
-        each, by task id), so a warm-started tiny model knows both formats."""
+        """Every role's format for a warm start: the solver's answer; the verifier judging either the right answer
+        or a wrong one (half each, by task id); and, when retries are on, the solver's retry after a rejected wrong
+        answer (the conversation a rollout builds: answer, the verifier's reply, the answer again)."""
         right = self.base.demonstration(task)
         wrong = _perturb(right, task.task_id)
         shown = right if int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16) % 2 == 0 else wrong
         verdict = "ACCEPT" if self.base.grade(task, shown) == 1.0 else "REJECT"
-        return [(self.messages(task), right), (self.verifier_messages(task, shown), verdict)]
+        out = [(self.messages(task), right), (self.verifier_messages(task, shown), verdict)]
+        if self.retry:
+            retry = [*self.messages(task), {"role": "assistant", "content": wrong},
+                     {"role": "user", "content": self.retry_prompt.format(verdict="REJECT")}]
+            out.append((retry, right))
+        return out
 
     # ------------------------------------------------------------------------------------------------ rollout
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,

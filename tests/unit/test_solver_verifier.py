@@ -88,7 +88,9 @@ def test_demonstrations_teach_both_roles(env):
     tasks = list(env.tasks("heldout"))
     verdicts = []
     for t in tasks:
-        (solver_msgs, answer), (verifier_msgs, verdict) = env.demonstrations(t)
+        (solver_msgs, answer), (verifier_msgs, verdict), (retry_msgs, again) = env.demonstrations(t)
+        assert again == answer and retry_msgs[-1]["content"] == "REJECT Try again."
+        assert retry_msgs[1]["role"] == "assistant" and retry_msgs[1]["content"] != answer
         assert solver_msgs == env.messages(t) and answer == t.info["answer"]
         shown = verifier_msgs[0]["content"].split("Answer: ")[1].split(" Reply")[0]
         assert verdict == ("ACCEPT" if shown == answer else "REJECT")
@@ -126,6 +128,7 @@ def test_warm_start_batches_hold_both_roles_and_collate_keeps_roles():
 
     env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
     task = next(iter(env.tasks("train")))
-    (_, c1), (p2, c2) = ws._examples(TOK, env, task)
+    (_, c1), (p2, c2), (p3, _) = ws._examples(TOK, env, task)
+    assert TOK.decode(p3).endswith("REJECT Try again.<|im_end|>\n<|im_start|>assistant\n")
     assert TOK.decode(c1) == task.info["answer"] + "<|im_end|>"
     assert TOK.decode(c2) in ("ACCEPT<|im_end|>", "REJECT<|im_end|>") and "Check:" in TOK.decode(p2)

@@ -1,0 +1,600 @@
+"""DB-Bench-like database tasks (AgentBench's DB kind) on real SQLite, multi-turn with a turn limit.
+
+Tasks
+-----
+Generated (the default): each database is drawn from the seed (`departments`, `employees`, `sales`; 3-6, 8-20 and
+15-40 rows) and asked `questions_per_db` questions from templates, each with a gold SQL query: count, sum, rounded
+average, filter list (any order), top-3 list (ordered), join lookup, group-by count and group-by argmax (asked only
+when the maximum is unique). The gold answer is what the gold query returns on that database. Held-out databases
+come from their own seed stream, and the endless train stream skips any (database, question) that is held out.
+
+A user's tasks: `tasks_file`, a JSONL file with one task per line (blank lines skipped):
+
+    {"db_path": "shop.sqlite", "question": "How many orders?", "answer": 42}
+    {"schema_sql": "CREATE TABLE t (a INTEGER, b TEXT);", "rows": {"t": [[1, "x"], [2, "y"]]},
+     "question": "Which b have a > 0?", "answer": ["x", "y"], "ordered": false, "sql": "SELECT b FROM t WHERE a > 0"}
+
+`db_path` is relative to the JSONL file; `rows` maps a table to positional rows; `answer` is a value or a list of
+values; `ordered` (default false) says whether a list's order counts; `sql` (optional) is a gold query, used as the
+demonstration. A malformed line raises ValueError naming the file and its 1-based line. `n_heldout` lines drawn with
+the seed are held out, or all of `heldout_file`'s when it is given.
+
+Databases are materialised once per content key (sha256 of schema and rows) as `<cache>/sqlite/db-<key>.sqlite`: a
+temporary file renamed into place, so readers never see a partial file and racing writers are harmless. A user's
+`db_path` is only ever opened read-only.
+
+Episode
+-------
+The first user message holds the instructions, the schema (the CREATE statements) and the question. In each
+assistant turn the first `<sql>...</sql>` or `<answer>...</answer>` tag counts. SQL runs read-only: the database is
+opened with `mode=ro` and an authorizer allows only reads (SELECT, read-only PRAGMAs such as table_info), so writes,
+DDL, ATTACH and transactions fail with an error; a progress handler stops a query after `time_limit_s`; at most
+`max_rows` rows are fetched. The result (a header and rows, or the error) comes back as the next user message (loss
+mask 0). An answer ends the episode; otherwise it ends after `max_turns` assistant turns.
+
+Reward
+------
+1.0 when the last assistant message's first tag is `<answer>` and its content matches the gold answer, else 0.0; a
+pure function of the text (`grade`). Values match when both parse as numbers and are equal (a gold value with d
+decimals also accepts a longer number that rounds to it; "1,234" reads as 1234) or, otherwise, as case-insensitive
+text. A list answer is a JSON list or values separated by commas or newlines; it must have the gold's length and
+match element-wise (ordered) or as a multiset (any order).
+
+Example:
+    >>> env = DatabaseEnv(n_heldout=4, seed=0)
+    >>> task = next(iter(env.tasks("heldout")))
+    >>> sorted(task.info) == ['answer', 'db_seed', 'is_list', 'kind', 'ordered', 'schema', 'sql']
+    True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import sqlite3
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.agentbench.household import cache_root
+from astratk.envs.multiturn import Budget, Conversation, parse_tags
+from astratk.records import Task, Trajectory
+
+INSTRUCTIONS = ("Answer the question using the SQLite database described below. To run a read-only SQL query, reply "
+                "with <sql>SELECT ...</sql>; you will see at most {max_rows} result rows. When you know the answer, "
+                "reply with <answer>...</answer> (separate several values with commas). One action per turn; you "
+                "have {max_turns} turns.")
+FORMAT_HINT = "No action found. Reply with <sql>SELECT ...</sql> to run a query or <answer>...</answer> to answer."
+
+# ------------------------------------------------------------------------------------------------- generated data
+
+SCHEMA = """CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL);
+CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, department_id INTEGER NOT NULL REFERENCES
+  departments(id), title TEXT NOT NULL, salary INTEGER NOT NULL, hire_year INTEGER NOT NULL);
+CREATE TABLE sales (id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id), product TEXT NOT
+  NULL, amount INTEGER NOT NULL, year INTEGER NOT NULL);"""
+DEPARTMENTS = ["Engineering", "Sales", "Marketing", "Finance", "Support", "Legal", "Research", "Operations"]
+CITIES = ["Berlin", "Lagos", "Lima", "Osaka", "Oslo", "Pune", "Quito", "Seattle", "Sydney", "Toronto"]
+FIRST = ["Ada", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Mo", "Nia", "Omar",
+         "Pia", "Raj", "Sol", "Tess", "Uma"]
+LAST = ["Abe", "Baker", "Cruz", "Diaz", "Evans", "Fox", "Gray", "Hill", "Ito", "Jones", "Khan", "Lund", "Moss", "Nair",
+        "Ortiz", "Park", "Reyes", "Silva", "Tran", "Wolf"]
+TITLES = ["Analyst", "Associate", "Director", "Engineer", "Manager"]
+PRODUCTS = ["headset", "laptop", "monitor", "phone", "printer", "tablet"]
+YEARS = range(2019, 2024)
+
+
+def random_database(rng: random.Random) -> dict[str, Any]:
+    """A database spec {"schema_sql", "rows"}; every department has an employee, salaries are distinct."""
+    deps = rng.sample(DEPARTMENTS, rng.randint(3, 6))
+    n_emp = rng.randint(max(8, len(deps)), 20)
+    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], n_emp)
+    salaries = [100 * s for s in rng.sample(range(300, 1500), n_emp)]
+    dept_of = list(range(1, len(deps) + 1)) + [rng.randint(1, len(deps)) for _ in range(n_emp - len(deps))]
+    rng.shuffle(dept_of)
+    return {"schema_sql": SCHEMA, "rows": {
+        "departments": [[i + 1, d, rng.choice(CITIES)] for i, d in enumerate(deps)],
+        "employees": [[i + 1, names[i], dept_of[i], rng.choice(TITLES), salaries[i], rng.choice(YEARS)]
+                      for i in range(n_emp)],
+        "sales": [[i + 1, rng.randint(1, n_emp), rng.choice(PRODUCTS), 10 * rng.randint(1, 100), rng.choice(YEARS)]
+                  for i in range(rng.randint(15, 40))]}}
+
+
+def _one(conn: sqlite3.Connection, sql: str) -> list[Any]:
+    return [r[0] for r in conn.execute(sql).fetchall()]
+
+
+_JOIN = "employees e JOIN departments d ON e.department_id = d.id"
+
+# A template: (rng, conn) -> (question, gold SQL, is_list, ordered), or None when it does not apply to this database.
+
+
+def _count_dept(rng, conn):
+    d = rng.choice(_one(conn, "SELECT name FROM departments"))
+    return (f"How many employees work in the {d} department?",
+            f"SELECT COUNT(*) FROM {_JOIN} WHERE d.name = '{d}'", False, False)
+
+
+def _sum_year(rng, conn):
+    y = rng.choice(_one(conn, "SELECT DISTINCT year FROM sales ORDER BY year"))
+    return f"What is the total amount of all sales made in {y}?", f"SELECT SUM(amount) FROM sales WHERE year = {y}", \
+        False, False
+
+
+def _avg_salary(rng, conn):
+    d = rng.choice(_one(conn, "SELECT name FROM departments"))
+    return (f"What is the average salary of the employees in the {d} department, rounded to 2 decimal places?",
+            f"SELECT ROUND(AVG(e.salary), 2) FROM {_JOIN} WHERE d.name = '{d}'", False, False)
+
+
+def _filter_list(rng, conn):
+    d = rng.choice(_one(conn, "SELECT name FROM departments"))
+    x = rng.choice(_one(conn, f"SELECT e.salary FROM {_JOIN} WHERE d.name = '{d}'")) - 100
+    return (f"List the names of the employees in the {d} department who earn more than {x}, in any order.",
+            f"SELECT e.name FROM {_JOIN} WHERE d.name = '{d}' AND e.salary > {x}", True, False)
+
+
+def _top3(rng, conn):
+    return ("List the names of the 3 employees with the highest salaries, from highest to lowest.",
+            "SELECT name FROM employees ORDER BY salary DESC LIMIT 3", True, True)
+
+
+def _city_of(rng, conn):
+    name = rng.choice(_one(conn, "SELECT name FROM employees"))
+    return (f"In which city is the department of {name} located?",
+            f"SELECT d.city FROM {_JOIN} WHERE e.name = '{name}'", False, False)
+
+
+def _depts_over(rng, conn):
+    k = rng.randint(2, 4)
+    return (f"How many departments have more than {k} employees?",
+            f"SELECT COUNT(*) FROM (SELECT department_id FROM employees GROUP BY department_id HAVING COUNT(*) > {k})",
+            False, False)
+
+
+def _top_dept_sales(rng, conn):
+    joined = "sales s JOIN employees e ON s.employee_id = e.id JOIN departments d ON e.department_id = d.id"
+    sql = f"SELECT d.name FROM {joined} GROUP BY d.id ORDER BY SUM(s.amount) DESC LIMIT 1"
+    totals = _one(conn, f"SELECT SUM(s.amount) AS t FROM {joined} GROUP BY d.id ORDER BY t DESC LIMIT 2")
+    if len(totals) == 2 and totals[0] == totals[1]:
+        return None  # a tie has no single answer
+    return "Which department has the highest total sales amount?", sql, False, False
+
+
+TEMPLATES = {f.__name__.lstrip("_"): f for f in (_count_dept, _sum_year, _avg_salary, _filter_list, _top3, _city_of,
+                                                 _depts_over, _top_dept_sales)}
+
+
+# -------------------------------------------------------------------------------------------------- databases
+
+
+def build_database(conn: sqlite3.Connection, spec: Mapping[str, Any]) -> None:
+    """Create the spec's tables and insert its rows (ATTACH refused: a spec writes only its own database)."""
+    no_attach = (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH)
+    conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in no_attach else sqlite3.SQLITE_OK)
+    conn.executescript(spec["schema_sql"])
+    for table, rows in spec.get("rows", {}).items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", table):
+            raise ValueError(f"table name {table!r} is not a plain identifier")
+        if rows:
+            conn.executemany(f'INSERT INTO "{table}" VALUES ({", ".join("?" * len(rows[0]))})', rows)
+    conn.commit()
+    conn.set_authorizer(None)
+
+
+def materialise(spec: Mapping[str, Any], cache_dir: str | os.PathLike | None = None) -> Path:
+    """The SQLite file for a spec, written once per content key (temporary file, then an atomic rename)."""
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    final = cache_root(cache_dir) / "sqlite" / f"db-{key}.sqlite"
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    os.close(fd)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            build_database(conn, spec)
+        finally:
+            conn.close()
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return final
+
+
+def schema_text(conn: sqlite3.Connection) -> str:
+    return "\n".join(r[0] + ";" for r in conn.execute(
+        "SELECT sql FROM sqlite_master WHERE type IN ('table', 'view') AND sql IS NOT NULL AND name NOT LIKE "
+        "'sqlite_%' ORDER BY rowid"))
+
+
+# ----------------------------------------------------------------------------------------------- read-only SQL
+
+_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
+                 getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
+_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                 "foreign_key_list"}
+
+
+def _read_only(action: int, arg1: str | None, *_: Any) -> int:
+    if action in _READ_ACTIONS or (action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in _READ_PRAGMAS):
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    text: str  # what the agent sees
+    error: bool = False
+    timed_out: bool = False
+    truncated: bool = False
+
+
+def _cell(v: Any, max_chars: int) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, bytes):
+        return f"<blob of {len(v)} bytes>"
+    s = str(v)
+    return s if len(s) <= max_chars else s[:max_chars] + "..."
+
+
+def run_query(db_file: str | os.PathLike, sql: str, *, max_rows: int = 20, time_limit_s: float = 1.0,
+              max_cell_chars: int = 100) -> QueryResult:
+    """Run one statement read-only and render the result (or the error) for the agent."""
+    conn = sqlite3.connect(f"{Path(db_file).resolve().as_uri()}?mode=ro", uri=True)
+    stopped = []
+    deadline = time.monotonic() + time_limit_s
+
+    def past_deadline() -> int:  # called every 1000 VM instructions; nonzero interrupts the statement
+        if time.monotonic() > deadline:
+            stopped.append(True)
+            return 1
+        return 0
+
+    try:
+        conn.set_authorizer(_read_only)
+        if hasattr(conn, "setlimit"):  # Python >= 3.11: no multi-megabyte strings (randomblob(1e9), printf tricks)
+            conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
+        conn.set_progress_handler(past_deadline, 1000)
+        cur = conn.execute(sql)
+        rows = cur.fetchmany(max_rows + 1)
+        columns = [d[0] for d in cur.description or ()]
+    except (sqlite3.Error, sqlite3.Warning) as e:
+        if stopped:
+            return QueryResult(f"Error: the query ran longer than {time_limit_s:g} s and was stopped.", True, True)
+        hint = " (the database is read-only: only SELECT queries run)" if "authoriz" in str(e) else ""
+        return QueryResult(f"Error: {e}{hint}", error=True)
+    finally:
+        conn.close()
+    if not columns:
+        return QueryResult("The statement returned no result.")
+    truncated = len(rows) > max_rows
+    lines = [" | ".join(columns)] + [" | ".join(_cell(v, max_cell_chars) for v in r) for r in rows[:max_rows]]
+    if not rows:
+        lines.append("(0 rows)")
+    if truncated:
+        lines.append(f"(first {max_rows} rows shown; there are more: aggregate or add LIMIT)")
+    return QueryResult("\n".join(lines), truncated=truncated)
+
+
+# --------------------------------------------------------------------------------------------------- answers
+
+
+def format_value(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return repr(round(v, 6)) if isinstance(v, float) else str(v)
+
+
+def _number(s: str) -> float | None:
+    s = s.strip().lstrip("$")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    try:
+        x = float(s)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def same_value(given: str, gold: str) -> bool:
+    a, g = _number(given), _number(gold)
+    if a is not None and g is not None:
+        if math.isclose(a, g, rel_tol=1e-9, abs_tol=1e-9):
+            return True
+        decimals = len(gold.strip().partition(".")[2])  # gold rounded to d decimals accepts what rounds to it
+        return decimals > 0 and abs(round(a, decimals) - g) < 10 ** -(decimals + 2)
+    return " ".join(given.split()).casefold() == " ".join(gold.split()).casefold()
+
+
+def split_answer(text: str, is_list: bool) -> list[str]:
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, list):
+        flat = [x for v in value for x in (v if isinstance(v, list) else [v])]  # rows as lists: flatten one level
+        return [format_value(v) for v in flat]
+    parts = re.split(r"[\n,;]", text) if is_list else [text]
+    return [p.strip().strip("\"'`").rstrip(".").strip() for p in parts if p.strip()]
+
+
+def answers_match(text: str, gold: Sequence[str], *, is_list: bool, ordered: bool) -> bool:
+    given = split_answer(text, is_list)
+    if len(given) != len(gold):
+        return False
+    if ordered or not is_list:
+        return all(same_value(a, g) for a, g in zip(given, gold))
+    remaining = list(gold)
+    for a in given:
+        j = next((j for j, g in enumerate(remaining) if same_value(a, g)), None)
+        if j is None:
+            return False
+        remaining.pop(j)
+    return True
+
+
+def first_action(text: str) -> tuple[str, str] | None:
+    tags = parse_tags(text, ["sql", "answer"])
+    return tags[0] if tags else None
+
+
+# ---------------------------------------------------------------------------------------------------- user tasks
+
+
+def load_tasks_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Task records (id, question, Task.info) from a JSONL file; a malformed line raises naming file and line."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"tasks file {path} does not exist")
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(_user_task(json.loads(line), path, lineno, cache_dir))
+            except (ValueError, TypeError, KeyError, sqlite3.Error) as e:
+                detail = f"invalid JSON ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else e
+                raise ValueError(f"{path}:{lineno}: {detail}") from e
+    if not records:
+        raise ValueError(f"tasks file {path} holds no tasks")
+    return records
+
+
+def _user_task(obj: Any, path: Path, lineno: int, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004 - malformed data
+    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
+        raise ValueError('missing "question" (a non-empty string)')
+    answer = obj.get("answer")
+    is_list = isinstance(answer, list)
+    values = answer if is_list else [answer]
+    if not values or any(v is None or isinstance(v, (dict, list)) for v in values):
+        raise ValueError('"answer" must be a value or a non-empty list of values')
+    if ("db_path" in obj) == ("schema_sql" in obj):
+        raise ValueError('give exactly one of "db_path" or "schema_sql" (+ "rows")')
+    if not isinstance(obj.get("ordered", False), bool) or not isinstance(obj.get("sql", ""), str):
+        raise ValueError('"ordered" must be true/false and "sql" a string')  # noqa: TRY004 - malformed data
+    info: dict[str, Any] = {"answer": [format_value(v) for v in values], "is_list": is_list,
+                            "ordered": obj.get("ordered", False), "kind": "user", "sql": obj.get("sql", "")}
+    if "db_path" in obj:
+        db = (path.parent / obj["db_path"]).resolve()
+        if not db.is_file():
+            raise ValueError(f"db_path {db} does not exist")
+        info["db_path"] = str(db)
+    else:
+        rows = obj.get("rows", {})
+        if not isinstance(obj["schema_sql"], str) or not isinstance(rows, dict) or not all(
+                isinstance(r, list) and all(isinstance(x, list) for x in r) for r in rows.values()):
+            raise ValueError('"schema_sql" must be a string and "rows" an object of table -> list of row lists')
+        info["db_spec"] = {"schema_sql": obj["schema_sql"], "rows": rows}
+        db = materialise(info["db_spec"], cache_dir)
+    conn = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+    try:
+        info["schema"] = schema_text(conn)
+    finally:
+        conn.close()
+    task_id = str(obj.get("id") or f"{path.stem}:{lineno}")
+    return {"id": task_id, "question": obj["question"].strip(), "info": info}
+
+
+# ----------------------------------------------------------------------------------------------------------- env
+
+
+class DatabaseEnv(Env):
+    """SQL question answering: one role, `policy`, queries a SQLite database and answers. See the module docstring
+    for tasks, the action format and the reward."""
+
+    name = "db"
+    roles = ("policy",)
+
+    def __init__(self, n_heldout: int = 64, seed: int = 1234, questions_per_db: int = 3, tasks_file: str | None = None,
+                 heldout_file: str | None = None, max_turns: int = 5, max_rows: int = 20, time_limit_s: float = 1.0,
+                 max_tokens_per_turn: int | None = None, max_context: int = 4096, max_env_tokens: int = 512,
+                 cache_dir: str | None = None, system_prompt: str | None = None) -> None:
+        if n_heldout < 1 or not 1 <= questions_per_db <= len(TEMPLATES):
+            raise ValueError(f"n_heldout must be >= 1 and questions_per_db in [1, {len(TEMPLATES)}]; got "
+                             f"{n_heldout} and {questions_per_db}")
+        if max_rows < 1 or time_limit_s <= 0:
+            raise ValueError(f"max_rows must be >= 1 and time_limit_s > 0, got {max_rows} and {time_limit_s}")
+        if heldout_file is not None and tasks_file is None:
+            raise ValueError("heldout_file needs tasks_file (the train tasks); give both, or neither to generate")
+        self.n_heldout, self.seed, self.questions_per_db = n_heldout, seed, questions_per_db
+        self.tasks_file, self.heldout_file = tasks_file, heldout_file
+        self.max_turns, self.max_rows, self.time_limit_s = max_turns, max_rows, time_limit_s
+        self.max_tokens_per_turn, self.max_context = max_tokens_per_turn, max_context
+        self.max_env_tokens = max_env_tokens
+        self.cache_dir, self.system_prompt = cache_dir, system_prompt
+        self._budget = Budget(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn, max_context=max_context,
+                              max_env_tokens=max_env_tokens)
+        self._load()  # now: a malformed tasks file fails at construction, not in a worker
+
+    def _load(self) -> None:
+        if self.tasks_file is None:
+            self._heldout = list(itertools.islice(self._generated("heldout"), self.n_heldout))
+            self._user_train: list[Task] = []
+        else:
+            self._heldout, self._user_train = self._split_user_tasks()
+        self._heldout_keys = {self._key(t) for t in self._heldout}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Config only (a user's tasks may hold whole tables): the task lists are rebuilt where they are needed."""
+        state = dict(self.__dict__)
+        for key in ("_heldout", "_user_train", "_heldout_keys"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._heldout = None  # type: ignore[assignment]
+
+    # --------------------------------------------------------------------------------------------------- tasks
+    def _generated(self, split: str) -> Iterator[Task]:
+        """Endless: database i of the split, then up to `questions_per_db` questions on it (distinct templates)."""
+        for i in itertools.count():
+            db_seed = f"{self.seed}/{split}/{i}"
+            rng = random.Random(db_seed)
+            conn = sqlite3.connect(":memory:")
+            try:
+                build_database(conn, random_database(rng))
+                schema, asked = schema_text(conn), 0
+                for kind in rng.sample(sorted(TEMPLATES), len(TEMPLATES)):
+                    made = TEMPLATES[kind](rng, conn) if asked < self.questions_per_db else None
+                    if made is None:
+                        continue
+                    question, sql, is_list, ordered = made
+                    gold = _one(conn, sql)
+                    if not gold or gold[0] is None:
+                        continue  # an empty result is no question
+                    asked += 1
+                    info = {"db_seed": db_seed, "schema": schema, "kind": kind, "sql": sql, "is_list": is_list,
+                            "ordered": ordered, "answer": [format_value(v) for v in (gold if is_list else gold[:1])]}
+                    digest = hashlib.sha256(f"{db_seed}\n{question}".encode()).hexdigest()[:8]
+                    yield Task(task_id=f"{self.name}/{split}/{i}-{kind}-{digest}", env=self.name, prompt=question,
+                               info=info, split=split)  # type: ignore[arg-type]
+            finally:
+                conn.close()
+
+    def _split_user_tasks(self) -> tuple[list[Task], list[Task]]:
+        def tasks(records: list[dict[str, Any]], split: str) -> list[Task]:
+            return [Task(task_id=f"{self.name}/{split}/{r['id']}", env=self.name, prompt=r["question"], info=r["info"],
+                         split=split) for r in records]  # type: ignore[arg-type]
+
+        records = load_tasks_file(self.tasks_file, self.cache_dir)  # type: ignore[arg-type]
+        if self.heldout_file is not None:
+            heldout = tasks(load_tasks_file(self.heldout_file, self.cache_dir), "heldout")
+            keys = {self._key(t) for t in heldout}
+            train = [t for t in tasks(records, "train") if self._key(t) not in keys]
+            if not train:
+                raise ValueError(f"every task in {self.tasks_file} is also in heldout_file {self.heldout_file}")
+            return heldout, train
+        if self.n_heldout >= len(records):
+            raise ValueError(f"tasks_file {self.tasks_file} has {len(records)} tasks and n_heldout={self.n_heldout} "
+                             "leaves none to train on; lower n_heldout or give heldout_file")
+        order = records[:]
+        random.Random(f"{self.seed}/split").shuffle(order)
+        return tasks(order[: self.n_heldout], "heldout"), tasks(order[self.n_heldout:], "train")
+
+    @staticmethod
+    def _key(task: Task) -> tuple[str, str]:
+        """What makes two tasks the same: the database (seed, spec or file) and the question."""
+        info = task.info
+        db = info.get("db_seed") or info.get("db_path") or json.dumps(info.get("db_spec"), sort_keys=True)
+        return db, task.prompt
+
+    def tasks(self, split: str) -> Iterator[Task]:
+        if self._heldout is None:  # unpickled: rebuild
+            self._load()
+        if split == "heldout":
+            return iter(self._heldout)
+        if split != "train":
+            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
+        return self._train_stream()
+
+    def _train_stream(self) -> Iterator[Task]:
+        if not self._user_train:  # generated: an endless stream of new databases
+            yield from (t for t in self._generated("train") if self._key(t) not in self._heldout_keys)
+            return
+        for epoch in itertools.count():  # a user's tasks: each once per epoch, in a seeded order
+            order = list(self._user_train)
+            random.Random(f"{self.seed}/train/epoch{epoch}").shuffle(order)
+            yield from order
+
+    def database_file(self, task: Task) -> Path:
+        """The task's SQLite file on this machine (materialised into the cache here if needed)."""
+        info = task.info
+        if "db_path" in info:
+            path = Path(info["db_path"])
+            if not path.is_file():
+                raise FileNotFoundError(f"task {task.task_id}: database {path} is missing on this machine")
+            return path
+        spec = info["db_spec"] if "db_spec" in info else random_database(random.Random(info["db_seed"]))
+        return materialise(spec, self.cache_dir)
+
+    # ------------------------------------------------------------------------------------------------- rollout
+    def messages(self, task: Task) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        text = (INSTRUCTIONS.format(max_rows=self.max_rows, max_turns=self.max_turns) + "\n\nSchema:\n"
+                + task.info["schema"] + "\n\nQuestion: " + task.prompt)
+        return msgs + [{"role": "user", "content": text}]
+
+    def demonstration(self, task: Task) -> str:
+        """The gold query: a correct first move for `messages(task)`."""
+        if not task.info.get("sql"):
+            raise NotImplementedError(f"task {task.task_id} has no gold SQL to demonstrate")
+        return f"<sql>{task.info['sql']}</sql>"
+
+    async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
+                      policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
+        engine = engines["policy"]
+        db_file = await asyncio.to_thread(self.database_file, task)
+        conv = Conversation.start(engine.tokenizer, self.messages(task), self._budget)
+        counts = {"queries": 0.0, "query_errors": 0.0, "query_timeouts": 0.0, "format_errors": 0.0, "answered": 0.0}
+        while conv.can_continue:
+            turn = await conv.assistant_turn(engine, sampling)
+            action = first_action(turn.text)
+            if action is not None and action[0] == "answer":
+                counts["answered"] = 1.0
+                break
+            if not conv.can_continue:
+                break  # the last turn's query would have no reader
+            if action is None:
+                counts["format_errors"] += 1
+                conv.add_message("user", FORMAT_HINT)
+                continue
+            result = await asyncio.to_thread(run_query, db_file, action[1], max_rows=self.max_rows,
+                                             time_limit_s=self.time_limit_s)  # a slow query must not block the loop
+            counts["queries"] += 1
+            counts["query_errors"] += float(result.error)
+            counts["query_timeouts"] += float(result.timed_out)
+            conv.add_message("user", result.text, tool_call=True, tool_error=result.error)
+        last = conv.texts[-1] if conv.texts else ""
+        metrics = {**counts, "correct": self.grade(task, last),
+                   "turn_limit_hit": float(not counts["answered"] and conv.turns >= self.max_turns)}
+        return [conv.trajectory(task, group_id=group_id, policy_id=policy_ids["policy"], role="policy",
+                                metrics=metrics)]
+
+    # --------------------------------------------------------------------------------------------------- score
+    def grade(self, task: Task, text: str) -> float:
+        """1.0 when the text's first action is an answer matching the gold answer."""
+        action = first_action(text)
+        if action is None or action[0] != "answer":
+            return 0.0
+        info = task.info
+        return float(answers_match(action[1], info["answer"], is_list=info["is_list"], ordered=info["ordered"]))
+
+    def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:
+        return [self.grade(task, t.text) for t in trajectories]
