@@ -111,6 +111,12 @@ class Env(abc.ABC):
     @abc.abstractmethod
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]: ...
 
+    def score_with_metrics(self, task: Task, trajectories: Sequence[Trajectory]
+                           ) -> list[tuple[float | None, dict[str, float]]]:
+        """`score` plus per-trajectory scoring metrics (tests passed, sandbox isolation used...), which the rollout
+        service merges into each trajectory's `metrics`. Envs whose scoring measures something override this."""
+        return [(r, {}) for r in self.score(task, trajectories)]
+
     def demonstration(self, task: Task) -> str:
         """A reference completion for supervised warm starts; envs without one raise."""
         raise NotImplementedError(f"env {self.name!r} has no demonstrations; give model.path instead of a warm start")

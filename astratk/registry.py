@@ -31,6 +31,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",
         "solver_verifier": "astratk.envs.workflows.solver_verifier.SolverVerifierEnv",
         "search": "astratk.envs.search.env.SearchEnv",
+        "code": "astratk.envs.code.env.CodeEnv",
         "household": "astratk.envs.agentbench.household.HouseholdEnv",
         "db": "astratk.envs.agentbench.db.DatabaseEnv",
     },

@@ -68,6 +68,8 @@ class DataLayer:
         self._refs: dict[str, WeightRef] = {}
         self._counts: Counter[str] = Counter()
         self._reward_sum: Counter[str] = Counter()
+        self._traj_sums: Counter[str] = Counter()  # "<pid>/<role>/<metric>" -> sum over received trajectories
+        self._traj_counts: Counter[str] = Counter()
 
     # --------------------------------------------------------------------------------------------- leasing
     def lease(self, n: int) -> list[Lease]:
@@ -145,6 +147,11 @@ class DataLayer:
         self._counts[key + "trajectories_unscored_dropped"] += len(group.trajectories) - len(scored)
         self._counts[key + "groups_received"] += 1
         self._counts[key + "samples_received"] += len(scored)
+        for t in group.trajectories:  # env metrics (turns, tool calls, tests passed, isolation...) per policy and role
+            for name, value in t.metrics.items():
+                k = f"{pid}/{t.role}/{name}"
+                self._traj_sums[k] += float(value)
+                self._traj_counts[k] += 1
         if not scored:
             self._counts[key + "groups_dropped_empty"] += 1
             return 0
@@ -214,6 +221,9 @@ class DataLayer:
             received = self._counts[f"data/{pid}/samples_received"]
             if received:
                 out[f"data/{pid}/reward_mean_received"] = self._reward_sum[f"data/{pid}/reward_sum"] / received
+        for k, total in self._traj_sums.items():  # data/<pid>/traj/<role>/<metric>_mean
+            pid, role, name = k.split("/", 2)
+            out[f"data/{pid}/traj/{role}/{name.replace('/', '_')}_mean"] = total / self._traj_counts[k]
         out["data/leases_outstanding"] = float(len(self._outstanding))
         out["data/leases_waiting_reissue"] = float(len(self._retry))
         return out

@@ -149,14 +149,17 @@ class RolloutService:
                 out.append(res)
                 continue
             flat = [t for g in res.groups for t in g.trajectories]
-            rewards = list(self.env.score(res.groups[0].task, flat))
+            scored = list(self.env.score_with_metrics(res.groups[0].task, flat))
+            rewards = [r for r, _ in scored]
+            flat = [dataclasses.replace(t, metrics={**t.metrics, **m}) if m else t for t, (_, m) in zip(flat, scored)]
             if len(rewards) != len(flat):
                 raise ValueError(f"env {self.env.name!r}: score returned {len(rewards)} rewards for {len(flat)} "
                                  "trajectories")
             groups, at = [], 0
             for g in res.groups:
-                mine, at = rewards[at:at + len(g.trajectories)], at + len(g.trajectories)
-                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(g.trajectories, mine))
+                span = slice(at, at + len(g.trajectories))
+                at = span.stop
+                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(flat[span], rewards[span]))
                 groups.append(dataclasses.replace(g, trajectories=trajs))
             out.append(dataclasses.replace(res, groups=tuple(groups)))
         return out

@@ -138,3 +138,18 @@ def test_queued_reissue_is_dropped_once_the_original_is_admitted():
     [c] = dl.lease(1)
     assert c.lease_id != a.lease_id  # the pointless re-issue is skipped
     assert dl.metrics()["data/leases_waiting_reissue"] == 0
+
+
+def test_trajectory_metrics_are_averaged_per_policy_and_role():
+    import dataclasses
+
+    dl = make()
+    [lease] = dl.lease(1)
+    g = group(lease)
+    trajs = tuple(dataclasses.replace(t, metrics={"turns": float(i + 1), "code/tests_passed": 2.0})
+                  for i, t in enumerate(g.trajectories))
+    dl.admit(lease.lease_id, [dataclasses.replace(g, trajectories=trajs)])
+    m = dl.metrics()
+    role = trajs[0].role
+    assert m[f"data/main/traj/{role}/turns_mean"] == 1.5
+    assert m[f"data/main/traj/{role}/code_tests_passed_mean"] == 2.0

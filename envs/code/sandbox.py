@@ -1,0 +1,473 @@
+"""Run untrusted Python in a separate, limited, disposable process, and say how well it was contained.
+
+Two isolation levels; `Sandbox(isolation="auto")` takes the strongest this machine allows and every `SandboxResult`
+names the one used (`isolation`), so weaker containment is never silent:
+
+| | `bwrap` (bubblewrap, `apt-get install -y bubblewrap`) | `process` (fallback) |
+|---|---|---|
+| process | own pid namespace; killing it kills every descendant | own session; descendants swept by uid |
+| network | own empty network namespace (no interfaces but lo) | the host's network |
+| files | read-only /usr, /etc; tmpfs / , /tmp and cwd `/sandbox` (size-capped); nothing else of the host | the host's files, as an unprivileged uid; cwd is a fresh host temp dir |
+| environment | empty except PATH, HOME, LANG | same |
+| limits | rlimits: CPU, address space, file size, open files, no core; processes (RLIMIT_NPROC) | same |
+
+Why an unprivileged uid: everything here may run as root, and RLIMIT_NPROC does not bind root (TRAPS, "Other"). So as
+root each run drops to a uid of its own (`uid_base` + slot, leased through a lock file, so concurrent runs, in this or
+another process, never share a process count), and its process limit then binds. bwrap runs without a user namespace
+for the same reason: inside a user namespace the processes would still be kernel uid 0, which RLIMIT_NPROC exempts.
+Without root no uid can be dropped: `own_uid` is then False and a fork bomb is stopped only by the wall clock.
+
+The interpreter: the host's `sys.executable` often lives in a virtual environment under a directory the sandbox cannot
+see (and should not: it holds the trainer's packages). By default programs run under `/usr/bin/python3` (Debian's;
+stdlib plus any `python3-*` apt packages), the same interpreter in both modes. When it is missing, or with
+`python=sys.executable`, the real file behind the path runs (a venv's python links to its base interpreter, so the
+venv's packages stay out) and in bwrap mode its prefix (`<prefix>/bin/python3.X`) is bound read-only at the same path.
+
+Output: each of stdout and stderr keeps its first `max_output_bytes` and the run is killed as soon as either exceeds it
+(`killed_by="output_limit"`), so memory stays bounded and a `while True: print()` costs nothing more.
+
+Not covered: memory is limited per process (RLIMIT_AS), so one run can hold up to max_procs x memory_mb plus its two
+tmpfs; a cgroup would cap the sum, but none is created (the cgroup tree here belongs to the machine's own tooling).
+
+`run` is safe to call from many threads at once: it keeps no shared state besides the uid leases and a cached probe.
+bwrap's --die-with-parent is tied to the calling *thread*: `run` blocks that thread until the sandbox is gone.
+
+Example:
+    >>> sb = Sandbox(wall_s=5)
+    >>> r = sb.run("print(input()[::-1])", stdin="abc")
+    >>> (r.returncode, r.stdout, r.isolation in ("bwrap", "process"))
+    (0, 'cba\\n', True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Isolation = Literal["auto", "bwrap", "process"]
+WORKDIR = "/sandbox"  # the program's cwd inside bwrap (a tmpfs); named so it cannot be mistaken for a host path
+_SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+_POLL_S = 0.05  # how often the reader loop checks for exit/deadline when no output arrives
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one run did. `returncode` < 0 is the signal that ended it (bwrap's 128+N is mapped back to -N)."""
+
+    returncode: int
+    stdout: str  # first max_output_bytes of stdout (utf-8, undecodable bytes replaced)
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool  # wall clock ran out and the run was killed
+    killed_by: str | None  # "wall_timeout" | "output_limit" | "cpu_limit" | "SIG<NAME>" | None (exited by itself)
+    isolation: str  # "bwrap" | "process": what actually contained this run
+    own_uid: bool  # ran as a uid of its own, so the process limit bound (False only when not started as root)
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.killed_by is None
+
+
+class Sandbox:
+    """Limits are per run; `cpu_s` and `memory_mb` are per process (rlimits), `max_procs` per run (own uid).
+
+    `max_disk_mb` sizes each tmpfs (cwd and /tmp) in bwrap mode; in process mode only `max_file_mb` bounds files.
+    """
+
+    def __init__(self, isolation: Isolation = "auto", cpu_s: float = 10.0, wall_s: float = 20.0, memory_mb: int = 512,
+                 max_procs: int = 64, max_file_mb: int = 16, max_output_bytes: int = 1 << 20, max_disk_mb: int = 64,
+                 python: str | None = None, uid_base: int = 1_000_000, uid_slots: int = 1024) -> None:
+        if isolation not in ("auto", "bwrap", "process"):
+            raise ValueError(f"isolation must be 'auto', 'bwrap' or 'process', got {isolation!r}")
+        for name, v in (("cpu_s", cpu_s), ("wall_s", wall_s), ("memory_mb", memory_mb), ("max_procs", max_procs),
+                        ("max_file_mb", max_file_mb), ("max_output_bytes", max_output_bytes),
+                        ("max_disk_mb", max_disk_mb), ("uid_slots", uid_slots)):
+            if v <= 0:
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if isolation == "bwrap" and not bwrap_available():
+            raise ValueError("isolation='bwrap' but bubblewrap is missing or cannot create namespaces here; "
+                             "install it (`apt-get install -y bubblewrap`) or use isolation='auto'/'process'")
+        self.requested = isolation
+        self.isolation = "bwrap" if isolation == "bwrap" or (isolation == "auto" and bwrap_available()) else "process"
+        self.cpu_s, self.wall_s, self.memory_mb, self.max_procs = cpu_s, wall_s, memory_mb, max_procs
+        self.max_file_mb, self.max_output_bytes, self.max_disk_mb = max_file_mb, max_output_bytes, max_disk_mb
+        # the real file: a venv's python is a link to its base interpreter, which is what runs inside (the venv's
+        # packages stay outside); its prefix is bound read-only when it is not under /usr
+        self.python = os.path.realpath(python) if python else _default_python()
+        self.uid_base, self.uid_slots = uid_base, uid_slots
+        if self.isolation == "process" and os.geteuid() == 0 and not _others_can_run(self.python):
+            raise ValueError(f"the process sandbox runs programs as an unprivileged uid, which cannot reach "
+                             f"{self.python} (a parent directory is not world-executable); pass python= an "
+                             "interpreter under /usr (apt-get install -y python3) or install bubblewrap")
+
+    def __repr__(self) -> str:
+        return (f"Sandbox(isolation={self.isolation!r}, cpu_s={self.cpu_s}, wall_s={self.wall_s}, "
+                f"memory_mb={self.memory_mb}, max_procs={self.max_procs}, python={self.python!r})")
+
+    # ------------------------------------------------------------------------------------------------------ run
+    def run(self, code: str, stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None,
+            args: Sequence[str] = (), wall_s: float | None = None, cpu_s: float | None = None) -> SandboxResult:
+        """Run `code` as `main.py` in a fresh working directory holding `files` (read-only to the program), with
+        `stdin` on standard input and `args` as `sys.argv[1:]`. `wall_s`/`cpu_s` override the sandbox's for this run."""
+        files = dict(files or {})
+        for name in files:
+            _check_name(name)
+        if "main.py" in files:
+            raise ValueError("files may not contain 'main.py': it holds `code`")
+        files["main.py"] = code
+        wall = self.wall_s if wall_s is None else wall_s
+        cpu = self.cpu_s if cpu_s is None else cpu_s
+        with _uid_lease(self.uid_base, self.uid_slots) as uid:
+            if self.isolation == "bwrap":
+                return self._run_bwrap(files, stdin, args, wall, cpu, uid)
+            return self._run_process(files, stdin, args, wall, cpu, uid)
+
+    def _limits(self, cpu: float, uid: int | None) -> list[str]:
+        """prlimit arguments. CPU: soft limit sends SIGXCPU, the hard one a second later SIGKILL."""
+        c = max(1, int(cpu + 0.999))
+        out = [f"--cpu={c}:{c + 1}", f"--as={self.memory_mb << 20}", f"--fsize={self.max_file_mb << 20}",
+               "--nofile=256", "--core=0"]
+        if uid is not None:  # with our own uid the count is ours alone; for a shared uid it would count the host's
+            out.append(f"--nproc={self.max_procs}")
+        return out
+
+    def _run_bwrap(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str], wall: float,
+                   cpu: float, uid: int | None) -> SandboxResult:
+        fds: list[int] = []
+        try:
+            argv = [_bwrap_path(), *_bwrap_base(uid is not None, self.max_disk_mb, self.python)]
+            for name in sorted(files):
+                fd = _memfd(name, files[name])
+                fds.append(fd)
+                argv += ["--perms", "0644", "--file", str(fd), f"{WORKDIR}/{name}"]
+            argv += ["--"]
+            if uid is not None:
+                argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                         "--bounding-set=-all", "--no-new-privs"]
+            argv += ["prlimit", *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
+            stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
+            file_fds = tuple(fds)
+            fds.append(stdin_fd)
+            return self._execute(argv, stdin_fd, file_fds, None, wall, "bwrap", uid)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _run_process(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str],
+                     wall: float, cpu: float, uid: int | None) -> SandboxResult:
+        workdir = tempfile.mkdtemp(prefix="astratk-sandbox-")
+        stdin_fd = -1
+        try:
+            for name, content in files.items():
+                path = os.path.join(workdir, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(content.encode() if isinstance(content, str) else content)
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+            stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
+            argv = [*_prlimit_cmd(), *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
+            return self._execute(argv, stdin_fd, (), workdir, wall, "process", uid)
+        finally:
+            if stdin_fd >= 0:
+                os.close(stdin_fd)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # -------------------------------------------------------------------------------------------------- execute
+    def _execute(self, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], cwd: str | None, wall: float,
+                 isolation: str, uid: int | None) -> SandboxResult:
+        start = time.perf_counter()
+        env = dict(_ENV, HOME=cwd or WORKDIR, TMPDIR=cwd or "/tmp")
+        # process mode drops to the run's uid in the child (Popen's user=/group= run in C between fork and exec, so
+        # this stays thread-safe, unlike a preexec_fn); bwrap mode drops later, inside the namespaces, via setpriv.
+        drop = {"user": uid, "group": uid, "extra_groups": []} if uid is not None and isolation == "process" else {}
+        proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                                env=env if isolation == "process" else {}, pass_fds=pass_fds, close_fds=True,
+                                start_new_session=True, **drop)
+        out, err, killed_by = self._collect(proc, start + wall, uid if isolation == "process" else None)
+        try:  # pipes closed need not mean exited: a program may close its stdout and stderr, then loop
+            rc = proc.wait(timeout=max(0.0, start + wall - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            killed_by = killed_by or "wall_timeout"
+            _kill(proc, uid if isolation == "process" else None)
+            rc = proc.wait()
+        if isolation == "process" and uid is not None:
+            _sweep_uid(uid)  # daemons a program left behind, even those that escaped its session
+        elif killed_by is not None and uid is not None:
+            _wait_uid_gone(uid)  # the namespace dies with bwrap; wait so the next lease of this uid starts at 0
+        if isolation == "bwrap" and rc > 128 and killed_by is None:
+            rc = -(rc - 128)  # bwrap reports a signal death of the program as 128+N
+        if killed_by is None and rc < 0:
+            killed_by = "cpu_limit" if -rc == signal.SIGXCPU else _signame(-rc)
+        return SandboxResult(returncode=rc, stdout=out[0].decode("utf-8", "replace"),
+                             stderr=err[0].decode("utf-8", "replace"), stdout_truncated=out[1],
+                             stderr_truncated=err[1], timed_out=killed_by == "wall_timeout", killed_by=killed_by,
+                             isolation=isolation, own_uid=uid is not None, wall_s=time.perf_counter() - start)
+
+    def _collect(self, proc: subprocess.Popen, deadline: float, sweep_uid: int | None
+                 ) -> tuple[tuple[bytes, bool], tuple[bytes, bool], str | None]:
+        """Read both pipes until EOF, keeping at most max_output_bytes each; kill on deadline or overflow."""
+        assert proc.stdout is not None and proc.stderr is not None
+        cap = self.max_output_bytes
+        bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        trunc = dict.fromkeys(bufs, False)
+        killed_by: str | None = None
+        exited_at: float | None = None
+        with selectors.DefaultSelector() as sel:
+            for fd in bufs:
+                os.set_blocking(fd, False)
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                now = time.perf_counter()
+                if now >= deadline and killed_by is None:
+                    killed_by = "wall_timeout"
+                    _kill(proc, sweep_uid)
+                    deadline = now + 5.0  # the pipes close once the killed processes are gone
+                elif now >= deadline:
+                    break  # killed and still not closed: give up on the pipes rather than hang
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                elif exited_at is not None and now - exited_at > 0.2 and sweep_uid is not None:
+                    _sweep_uid(sweep_uid)  # the program exited but a descendant keeps the pipes open
+                    sweep_uid = None
+                for key, _ in sel.select(timeout=min(_POLL_S, max(0.0, deadline - now))):
+                    fd = key.fd
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        sel.unregister(fd)
+                        continue
+                    buf = bufs[fd]
+                    if len(buf) + len(chunk) > cap:
+                        buf += chunk[: cap - len(buf)]
+                        trunc[fd] = True
+                        if killed_by is None:
+                            killed_by = "output_limit"
+                            _kill(proc, sweep_uid)
+                    else:
+                        buf += chunk
+        fo, fe = list(bufs)
+        proc.stdout.close()
+        proc.stderr.close()
+        return (bytes(bufs[fo]), trunc[fo]), (bytes(bufs[fe]), trunc[fe]), killed_by
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+_PROBE: dict[str, bool] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def bwrap_available() -> bool:
+    """True when bubblewrap is installed and can build the sandbox here (probed once per process)."""
+    with _PROBE_LOCK:
+        if "bwrap" not in _PROBE:
+            ok = False
+            if shutil.which("bwrap") and sys.platform.startswith("linux"):
+                argv = [_bwrap_path(), *_bwrap_base(os.geteuid() == 0, 1, "/bin/true"), "--", "true"]
+                try:
+                    ok = subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                                        env={}).returncode == 0
+                except (OSError, subprocess.TimeoutExpired):
+                    ok = False
+            _PROBE["bwrap"] = ok
+        return _PROBE["bwrap"]
+
+
+def _bwrap_path() -> str:
+    # absolute: the child's environment is empty, so a PATH lookup would only search /bin:/usr/bin
+    return shutil.which("bwrap") or "bwrap"
+
+
+def _bwrap_base(as_root: bool, disk_mb: int, python: str) -> list[str]:
+    # As root: no user namespace (processes must really be the unprivileged uid setpriv drops to, or RLIMIT_NPROC
+    # would not bind); without root bwrap needs the user namespace to build the others.
+    ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    argv = (ns if as_root else ["--unshare-all"]) + ["--die-with-parent", "--new-session", "--clearenv"]
+    for d in _SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    prefix = _prefix_of(python)
+    if prefix and not any(prefix == d or prefix.startswith(d + "/") for d in _SYSTEM_DIRS):
+        # bwrap creates missing parents with the host's modes (/root is 0700: the dropped uid could not enter it)
+        parts = prefix.strip("/").split("/")[:-1]
+        for i in range(len(parts)):
+            argv += ["--perms", "0755", "--dir", "/" + "/".join(parts[: i + 1])]
+        argv += ["--ro-bind", prefix, prefix]
+    size = str(disk_mb << 20)
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+             "--perms", "1777", "--size", size, "--tmpfs", WORKDIR, "--chdir", WORKDIR]
+    for k, v in dict(_ENV, HOME=WORKDIR, TMPDIR="/tmp").items():
+        argv += ["--setenv", k, v]
+    return argv
+
+
+def _prefix_of(python: str) -> str | None:
+    """The installation prefix to expose for an interpreter: <prefix>/bin/python3.X -> <prefix>."""
+    parent = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    return parent if parent not in ("", "/") else None
+
+
+def _default_python() -> str:
+    if os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    return os.path.realpath(sys.executable)  # outside a venv's view: the base interpreter it links to
+
+
+def _others_can_run(path: str) -> bool:
+    """Whether a uid that is neither owner nor group can execute `path` (every ancestor searchable)."""
+    if not os.path.exists(path) or not os.stat(path).st_mode & 0o001:
+        return False
+    while path not in ("", "/"):
+        path = os.path.dirname(path)
+        if not os.stat(path).st_mode & 0o001:
+            return False
+    return True
+
+
+def _prlimit_cmd() -> list[str]:
+    exe = shutil.which("prlimit")
+    if exe is None:
+        raise RuntimeError("the sandbox needs util-linux's `prlimit` (apt-get install -y util-linux)")
+    return [exe]
+
+
+def _check_name(name: str) -> None:
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"sandbox file name {name!r} must be a relative path without '.', '..' or empty parts")
+
+
+def _memfd(name: str, content: str | bytes, readonly: bool = False) -> int:
+    """An anonymous in-memory file holding `content`, offset 0 (bwrap copies it into the tmpfs; stdin reads it)."""
+    data = content.encode() if isinstance(content, str) else content
+    fd = os.memfd_create(name.replace("/", "_"), os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if readonly:  # the program gets a read-only descriptor, so it cannot grow this file in our memory
+            ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            os.close(fd)
+            return ro
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _kill(proc: subprocess.Popen, uid: int | None) -> None:
+    """Kill the run's session (bwrap: the namespace dies with it) and, in process mode, everything its uid owns."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if uid is not None:
+        _sweep_uid(uid)
+
+
+def _uid_pids(uid: int) -> list[int]:
+    """Live processes whose real uid is `uid`. Zombies do not count: they hold no resources, and the run's own
+    killed child stays one until we reap it."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                        break
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def _sweep_uid(uid: int, timeout: float = 5.0) -> None:
+    """Kill every process of `uid`: `kill(-1, SIGKILL)` sent *as* that uid reaches all of them in one atomic pass
+    (the kernel holds the task list while it signals, so a fork bomb cannot outrun it), whatever session they moved
+    to. Then wait until they are gone, so the uid's process count is back to 0 for the next lease."""
+    if not _uid_pids(uid):
+        return
+    killer = shutil.which("kill") or "/bin/kill"
+    argv = [killer, "-9", "-1"] if os.path.exists(killer) else [sys.executable, "-c", "import os; os.kill(-1, 9)"]
+    with contextlib.suppress(OSError):
+        subprocess.run(argv, check=False, user=uid, group=uid, extra_groups=[], env={}, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+    _wait_uid_gone(uid, timeout)
+
+
+def _wait_uid_gone(uid: int, timeout: float = 5.0) -> None:
+    end = time.perf_counter() + timeout
+    while _uid_pids(uid) and time.perf_counter() < end:
+        time.sleep(0.01)
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+_LEASE_DIR = os.path.join(tempfile.gettempdir(), "astratk-sandbox-uids")
+_LEASED: set[int] = set()
+_LEASE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _uid_lease(base: int, slots: int) -> Iterator[int | None]:
+    """A uid no other run uses right now, in this process or any other (flock on a per-uid file; the kernel drops the
+    lock if the holder dies). None when we are not root: then nothing can be dropped to."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    os.makedirs(_LEASE_DIR, mode=0o700, exist_ok=True)
+    start = random.randrange(slots)
+    for attempt in range(100):
+        for k in range(slots):
+            uid = base + (start + k) % slots
+            with _LEASE_LOCK:
+                if uid in _LEASED:
+                    continue
+                _LEASED.add(uid)
+            fd = os.open(os.path.join(_LEASE_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                with _LEASE_LOCK:
+                    _LEASED.discard(uid)
+                continue
+            try:
+                yield uid
+            finally:
+                os.close(fd)  # releases the flock
+                with _LEASE_LOCK:
+                    _LEASED.discard(uid)
+            return
+        time.sleep(0.01 * (attempt + 1))
+    raise RuntimeError(f"all {slots} sandbox uids from {base} are in use; raise uid_slots")
