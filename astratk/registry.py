@@ -30,6 +30,7 @@ REGISTRY: dict[str, dict[str, str]] = {
     "env": {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",
         "solver_verifier": "astratk.envs.workflows.solver_verifier.SolverVerifierEnv",
+        "solver_testgen": "astratk.envs.workflows.solver_testgen.SolverTestGenEnv",
         "search": "astratk.envs.search.env.SearchEnv",
         "code": "astratk.envs.code.env.CodeEnv",
         "household": "astratk.envs.agentbench.household.HouseholdEnv",

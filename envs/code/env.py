@@ -180,6 +180,7 @@ class CodeScore:
     total: int
     isolation: str  # "bwrap" | "process" | "" (no sandbox run: no code found)
     metrics: dict[str, float] = field(default_factory=dict)
+    per_test: tuple[bool, ...] = ()  # whether each test passed, in the order given (empty when nothing ran)
 
 
 class CodeEnv(Env):
@@ -318,7 +319,11 @@ class CodeEnv(Env):
         return [graded[c] if c is not None else none for c in codes]
 
     def _grade_code(self, task: Task, code: str) -> CodeScore:
-        tests = task.info["tests"]
+        return self.run_tests(code, task.info["tests"])
+
+    def run_tests(self, code: str, tests: Sequence[dict[str, Any]]) -> CodeScore:
+        """Run `code` against `tests` (the `tasks.py` test shapes) in one sandbox run; reward = fraction passed.
+        Workflows use it for tests that are not the task's own (e.g. a test generator's asserts)."""
         tag = secrets.token_hex(16)
         visible = [{k: v for k, v in t.items() if k != "expected"} for t in tests]
         spec = json.dumps({"tag": tag, "code": code, "tests": visible, "timeout": self.test_timeout_s,
@@ -346,7 +351,8 @@ def _grade_result(tests: Sequence[dict[str, Any]], result: SandboxResult, tag: s
             if i in reports or not 0 <= i < n:
                 tampered = True
             reports[i] = rec
-    passed = 0 if tampered else sum(_passed(tests[i], rec) for i, rec in reports.items())
+    per_test = tuple(not tampered and i in reports and _passed(tests[i], reports[i]) for i in range(n))
+    passed = sum(per_test)
     statuses = [r.get("status") for r in reports.values()]
     metrics = {"code/tests_passed": float(passed), "code/tests_total": float(n),
                "code/timeouts": float(statuses.count("timeout") + (n - len(reports) if result.timed_out else 0)),
@@ -357,7 +363,7 @@ def _grade_result(tests: Sequence[dict[str, Any]], result: SandboxResult, tag: s
     # no start line and no timeout: the sandbox or interpreter failed before any of the program ran
     reward = None if not started and not result.timed_out and not tampered else passed / n
     metrics["code/infra_error"] = float(reward is None)
-    return CodeScore(reward, passed, n, result.isolation, metrics)
+    return CodeScore(reward, passed, n, result.isolation, metrics, per_test)
 
 
 def _passed(test: dict[str, Any], rec: dict[str, Any]) -> bool:
