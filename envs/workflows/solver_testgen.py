@@ -21,6 +21,7 @@ import asyncio
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
 from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
 from astratk.envs.chat import encode_chat, stop_token_ids
 from astratk.envs.code.env import CodeEnv, solution_code
