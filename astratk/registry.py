@@ -29,6 +29,8 @@ REGISTRY: dict[str, dict[str, str]] = {
     },
     "env": {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",
+        "math_word": "astratk.envs.math.word.WordProblemEnv",
+        "math_jsonl": "astratk.envs.math.jsonl.MathJsonlEnv",
         "solver_verifier": "astratk.envs.workflows.solver_verifier.SolverVerifierEnv",
         "solver_testgen": "astratk.envs.workflows.solver_testgen.SolverTestGenEnv",
         "search": "astratk.envs.search.env.SearchEnv",
