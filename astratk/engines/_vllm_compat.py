@@ -19,6 +19,10 @@
    parallel state; closing one (`EngineCore.shutdown` -> `cleanup_dist_env_and_memory`) tears it down under the
    others ("pipeline model parallel group is not initialized"). `shutdown_engine_core` skips that clean-up unless
    the engine is the last one alive in the process.
+6. vLLM's CPU start-up rebinds Triton kernel references by scanning every module in `sys.modules` and reading
+   `vars(value)` of every attribute. llvmlite's `ffi.lib` (imported with numba, e.g. by bm25s) answers any attribute,
+   `__dict__` included, with a C-function wrapper, so the scan fails ("'_lib_fn_wrapper' object has no attribute
+   'get'") and the engine does not start. `tolerate_module_scan` makes that wrapper refuse dunder names first.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -137,3 +142,21 @@ def shutdown_engine_core(llm_engine: Any) -> None:
                 core.shutdown()
         finally:
             core_module.cleanup_dist_env_and_memory = original
+
+
+def tolerate_module_scan() -> None:
+    """Trap 6: llvmlite's library wrapper stops answering dunder names (`__dict__`) with C-function wrappers, so
+    vLLM's module scan skips it. Symbol lookups (never dunders) are unchanged."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None) if ffi is not None else None
+    if wrapper is None or getattr(wrapper.__getattr__, "_astratk", False):
+        return
+    lookup = wrapper.__getattr__
+
+    def no_dunders(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    no_dunders._astratk = True  # type: ignore[attr-defined]
+    wrapper.__getattr__ = no_dunders

@@ -255,6 +255,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------------ serving
     def _serve(self) -> None:
         try:
+            compat.tolerate_module_scan()
             with compat.cpu_threads_guard():
                 if self._cpu:
                     with compat.keep_cpu_linear_weights():
