@@ -20,7 +20,7 @@ import yaml
 from astratk.registry import REGISTRY
 from astratk.spec import RunSpec
 
-PLUGIN_KINDS = ("loss", "env", "correction")
+PLUGIN_KINDS = ("loss", "env", "correction", "stage")  # short names must be unique across these kinds
 
 
 def parser() -> Any:

@@ -6,6 +6,9 @@ Layout (every variable has a `policy` dimension, so multi-policy runs share one 
 - dims `(policy, eval)`: `eval_accuracy`, `eval_version`, `eval_train_time_s` (training time at which the evaluated
   weights were published);
 - dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, ...
+- dims `(service,)` (one per rollout worker that produced data), with coordinate `service_hardware` (its worker
+  class): `service_tasks`, `service_tasks_per_s`, `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims
+  `(hardware,)`: the same per class (`hardware_tasks_per_s` is the mean per-service speed of the class);
 Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{name}"`.
 
 `import astratk.viz` registers the `.astra` accessor (dashboards) on these datasets.
@@ -52,10 +55,15 @@ def _table(rows_by_policy: Mapping[str, Sequence[Mapping[str, float]]], dim: str
 
 def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[str, float]]],
                   evals: Mapping[str, Sequence[Mapping[str, float]]], counters: Mapping[str, float],
-                  attrs: Mapping[str, Any] | None = None) -> xr.Dataset:
+                  attrs: Mapping[str, Any] | None = None,
+                  services: Mapping[str, Mapping[str, Any]] | None = None) -> xr.Dataset:
+    """`services`: rollout service name -> its metrics plus "hardware" (`ServiceStats.by_service()`)."""
     policies = list(policies)
     variables = _table(steps, "step", None, policies)
     variables.update(_table(evals, "eval", "eval", policies))
+    coords: dict[str, Any] = {}
+    if services:
+        variables.update(_services(services, coords))
     scalars: dict[str, np.ndarray] = {}
     run_level: dict[str, float] = {}
     for key, value in counters.items():
@@ -70,7 +78,25 @@ def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[
     n_steps = max((len(r) for r in steps.values()), default=0)
     n_evals = max((len(r) for r in evals.values()), default=0)
     return xr.Dataset(variables, coords={"policy": policies, "step": np.arange(n_steps),
-                                         "eval": np.arange(n_evals)}, attrs=clean_attrs)
+                                         "eval": np.arange(n_evals), **coords}, attrs=clean_attrs)
+
+
+def _services(services: Mapping[str, Mapping[str, Any]], coords: dict[str, Any]) -> dict[str, Any]:
+    """Per-service variables (dim `service`) and per-hardware-class aggregates (dim `hardware`)."""
+    names = sorted(services)
+    hardware = [str(services[n].get("hardware", "default")) for n in names]
+    classes = sorted(set(hardware))
+    coords.update(service=names, service_hardware=("service", hardware), hardware=classes)
+    keys = sorted({k for row in services.values() for k, v in row.items() if isinstance(v, (int, float))})
+    out: dict[str, Any] = {}
+    for k in keys:
+        col = np.array([float(services[n].get(k, np.nan)) for n in names])
+        out[f"service_{k}"] = (("service",), col)
+        reduce = (np.nanmax if k.endswith("_max") else np.nanmin if k.startswith("first_") else
+                  np.nanmean if k.endswith(("_per_s", "_mean")) else np.nansum)  # counts add up; speeds average
+        per_class = [float(reduce(col[[h == c for h in hardware]])) for c in classes]
+        out[f"hardware_{k}"] = (("hardware",), np.array(per_class))
+    return out
 
 
 def _attr(v: Any) -> Any:

@@ -10,6 +10,7 @@ Extending: add a field with a default at the end, so records pickled by an older
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,6 +79,8 @@ class Trajectory:
     @property
     def version(self) -> int:
         """Lowest weight version on any policy-produced token (-1 if the policy produced none)."""
+        if self.loss_mask and min(self.loss_mask) > 0:  # every token is the policy's (single turn): min() in C
+            return min(self.behavior_versions)
         produced = [v for v, m in zip(self.behavior_versions, self.loss_mask) if m]
         return min(produced) if produced else -1
 
@@ -90,6 +93,7 @@ class Group:
     """The unit of admission, filtering, staleness, replay and batching: one role's samples for one task.
 
     Advantages are fixed at admission (one per trajectory, broadcast over its completion tokens by the collate).
+    `weight` is set at serving (lag decay; `astratk.dataflow.stages.serving`) and multiplies every token's weight.
     """
 
     group_id: str
@@ -97,12 +101,19 @@ class Group:
     policy_id: str
     trajectories: tuple[Trajectory, ...]
     advantages: tuple[float, ...] | None = None
+    weight: float = 1.0
+
+    @functools.cached_property
+    def version(self) -> int:
+        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness semantics).
+        Cached: serving reads it for every buffered group at every step (fields are frozen, so it cannot change)."""
+        versions = [v for v in (t.version for t in self.trajectories) if v >= 0]
+        return min(versions) if versions else -1
 
     @property
-    def version(self) -> int:
-        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness semantics)."""
-        versions = [t.version for t in self.trajectories if t.version >= 0]
-        return min(versions) if versions else -1
+    def role(self) -> str:
+        """The env role its samples play (one role per group); empty for a group without trajectories."""
+        return self.trajectories[0].role if self.trajectories else ""
 
     @property
     def rewards(self) -> tuple[float, ...]:

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Env, PolicyLoss, TokenCorrection
+from astratk.dataflow.stages.base import Curator, GroupFilter, ServingOrder
+from astratk.dataflow.stages.serving import FIFO, Mixing, Replay
 from astratk.registry import REGISTRY, resolve_path
 
 
@@ -113,19 +115,64 @@ class RolloutSpec:
 
 @dataclass
 class DataflowSpec:
+    """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages` documents each)."""
+
     max_staleness: int = 4  # drop groups whose oldest token is more than this many versions behind
     lease_timeout_s: float = 120.0  # a leased task not admitted by then is re-issued
     advantage: str = "dr_grpo"  # group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)
-    filter_zero_variance: bool = True  # drop groups whose rewards are all equal (no learning signal), counted
+    filter_zero_variance: bool = True  # drop groups whose rewards are all equal (no learning signal), counted;
+    #   sugar for a `zero_variance` filter first in `filters`
     max_task_attempts: int = 3  # a task whose rollout failed this many times is dropped, counted
     prefetch_steps: float = 2.0  # back-pressure: lease only while buffered + in-flight tasks < this many steps' worth
+    # before rollout: every curator must accept a new task (accept_all | filter_solved | greso | curriculum)
+    curators: list[Curator] = field(default_factory=list)
+    max_curator_skips: int = 10_000  # lease() raises after this many tasks in a row refused by curators
+    # after rollout: groups a filter rejects are dropped, counted by reason (zero_variance | length_filter | ...)
+    filters: list[GroupFilter] = field(default_factory=list)
+    # at serving: a served group's weight is lag_decay ** (current version - its version); 1.0 = no decay
+    lag_decay: float = 1.0
+    order: ServingOrder = field(default_factory=FIFO)  # fifo | edf
+    replay: Replay | None = None  # a replay share of every batch (class_path: replay)
+    mixing: Mixing | None = None  # per-env shares of every batch, by task.env (class_path: mixing)
+
+
+@dataclass
+class WorkerClass:
+    """One class of workers in a local pool (`astratk.runtime.pools`): `count` workers named `{name}-{i}`.
+
+    `resources` None gives the rollout labels (`rollout_<policy>=1` for every policy, `score=1`); a dict is used as
+    given, e.g. `{rollout_main: 1, score: 1, gpu_fast: 1}`. `slowdown` *simulates* a slower hardware class: after
+    generating, the rollout service sleeps (slowdown - 1) x the generation time, so a class with slowdown 3 produces a
+    third of the throughput of the same process with slowdown 1 (a laptop has one kind of hardware)."""
+
+    name: str = "rollout"
+    count: int = 1
+    resources: dict[str, float] | None = None
+    slowdown: float = 1.0
+    nthreads: int | None = None  # None: cluster.threads_per_worker
+
+
+@dataclass
+class AutoscaleSpec:
+    """AstraFlow's wait-fraction rule resizing one rollout pool of a local cluster (`astratk.runtime.autoscale`).
+    The control worker (data layer) and the other pools are never retired."""
+
+    pool: str | None = None  # the worker class to resize; None: the first class that carries rollout labels
+    minimum: int = 1
+    maximum: int = 8
+    interval_s: float = 5.0  # seconds between decisions (Dask's adaptive interval)
+    ewma_decay: float = 0.8  # weight of the past in the EWMAs of trainer wait and step time (ours; not published)
+    cooldown_steps: int = 3  # trainer steps observed after a resize before the next decision (let the EWMAs move)
+    wait_count: int = 3  # consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)
 
 
 @dataclass
 class ClusterSpec:
     scheduler_address: str | None = None  # None: start a local cluster
     processes: bool = True  # local cluster of worker processes; False: threads in this process (debuggers)
-    rollout_workers: int = 1
+    rollout_workers: int = 1  # size of the one rollout pool (class "rollout") when `pools` is empty
+    pools: list[WorkerClass] = field(default_factory=list)  # heterogeneous local pools; replaces rollout_workers
+    autoscale: AutoscaleSpec | None = None  # None: fixed pools
     threads_per_worker: int = 1
     torch_threads: int = 1  # per process; 2-core machines oversubscribe otherwise
     dashboard: bool = False
@@ -135,7 +182,16 @@ class ClusterSpec:
 @dataclass
 class WeightsSpec:
     url: str | None = None  # fsspec URL of the weight store; None: <run dir>/weights
-    keep_last: int | None = 32  # snapshots kept behind the newest (version 0 is always kept); None keeps all
+    keep_last: int | None = 32  # versions kept behind the newest (version 0, and the chains of kept versions'
+    #   deltas, are always kept); None keeps all
+    # a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with bf16 copies
+    # (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every element), so 1 (full only)
+    # is the default; set both together, with a bf16 engine (`rollout.engine_args: {dtype: bfloat16}`).
+    full_every: int = 1
+    publish_dtype: str | None = None  # "bfloat16": publish bf16 copies (deltas compare bf16 bits, what a bf16 engine
+    #   loads); None: the trainer's dtype
+    link_bandwidth_bps: float | None = None  # simulate a remote link to the store (bits/s, e.g. 4e9); None: no link
+    link_latency_s: float = 0.0  # the simulated link's latency per request (e.g. 0.3)
 
 
 @dataclass
@@ -180,21 +236,15 @@ class RunSpec:
         if r.temperature <= 0:
             raise ValueError(f"rollout.temperature: training rollouts sample, so it must be > 0 (got "
                              f"{r.temperature}); greedy decoding is for evaluation")
-        if self.dataflow.max_staleness < 0:
-            raise ValueError(f"dataflow.max_staleness must be >= 0, got {self.dataflow.max_staleness}")
-        _positive("dataflow", lease_timeout_s=self.dataflow.lease_timeout_s, prefetch_steps=self.dataflow.prefetch_steps,
-                  max_task_attempts=self.dataflow.max_task_attempts)
-        from astratk.dataflow.advantages import get_advantage
-
-        try:
-            get_advantage(self.dataflow.advantage)
-        except ValueError as e:
-            raise ValueError(f"dataflow.advantage: {e}") from None
-        _positive("cluster", rollout_workers=self.cluster.rollout_workers,
-                  threads_per_worker=self.cluster.threads_per_worker)
+        _validate_dataflow(self.dataflow, env)
+        _validate_cluster(self.cluster, [p.policy_id for p in self.policies])
         _positive("eval", interval_s=self.eval.interval_s, max_tasks=self.eval.max_tasks)
-        if self.weights.keep_last is not None and self.weights.keep_last < 1:
-            raise ValueError(f"weights.keep_last must be >= 1 or null (keep all), got {self.weights.keep_last}")
+        _validate_weights(self.weights)
+        engine_dtype = self.rollout.engine_args.get("dtype", "float32")
+        if self.weights.publish_dtype is not None and self.weights.publish_dtype != engine_dtype:
+            raise ValueError(f"weights.publish_dtype is {self.weights.publish_dtype!r} but the engines run "
+                             f"{engine_dtype!r} (rollout.engine_args.dtype): every sync would fetch a delta the engine "
+                             "refuses and then the full state; publish in the engines' dtype")
         return self
 
     def policy(self, policy_id: str) -> PolicySpec:
@@ -239,6 +289,84 @@ def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) ->
                          f"{sorted(AGGREGATIONS)}")
 
 
+def _validate_dataflow(d: DataflowSpec, env: Env) -> None:
+    from astratk.dataflow.advantages import get_advantage
+
+    if d.max_staleness < 0:
+        raise ValueError(f"dataflow.max_staleness must be >= 0, got {d.max_staleness}")
+    _positive("dataflow", lease_timeout_s=d.lease_timeout_s, prefetch_steps=d.prefetch_steps,
+              max_task_attempts=d.max_task_attempts, max_curator_skips=d.max_curator_skips)
+    try:
+        get_advantage(d.advantage)
+    except ValueError as e:
+        raise ValueError(f"dataflow.advantage: {e}") from None
+    if not 0.0 < d.lag_decay <= 1.0:
+        raise ValueError(f"dataflow.lag_decay must be in (0, 1] (1 = no decay), got {d.lag_decay}")
+    for key, items, kind in (("curators", d.curators, Curator), ("filters", d.filters, GroupFilter)):
+        for i, stage in enumerate(items):
+            if not isinstance(stage, kind):
+                raise ValueError(f"dataflow.{key}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, got "  # noqa: TRY004
+                                 f"{type(stage).__name__}")
+    for key, stage, kind in (("order", d.order, ServingOrder), ("replay", d.replay, Replay),
+                             ("mixing", d.mixing, Mixing)):
+        if stage is not None and not isinstance(stage, kind):
+            raise ValueError(f"dataflow.{key}: expected an astratk.dataflow.stages.{kind.__name__}, got "
+                             f"{type(stage).__name__}")
+    if d.order is None:
+        raise ValueError("dataflow.order: required; use {class_path: fifo} (arrival order) or {class_path: edf}")
+    if d.mixing is not None:
+        sources = list(getattr(env, "source_names", (env.name,)))  # a MixtureEnv names its sources
+        unknown = sorted(set(d.mixing.ratios) - set(sources))
+        missing = [s for s in sources if s not in d.mixing.ratios]
+        if unknown or missing:
+            raise ValueError(f"dataflow.mixing.ratios: env {env.name!r} produces tasks of {sources}; ratios name "
+                             f"{sorted(d.mixing.ratios)} (unknown {unknown}, missing {missing}); give one ratio per "
+                             "source (mix several envs with env: {class_path: mixture})")
+
+
+def _validate_cluster(c: ClusterSpec, policies: list[str]) -> None:
+    _positive("cluster", rollout_workers=c.rollout_workers, threads_per_worker=c.threads_per_worker,
+              torch_threads=c.torch_threads)
+    names: set[str] = set()
+    for i, wc in enumerate(c.pools):
+        key = f"cluster.pools[{i}]"
+        if not wc.name or wc.name == "control" or "/" in wc.name or wc.name in names:
+            raise ValueError(f"{key}.name: {wc.name!r} must be non-empty, unique, without '/', and not 'control' "
+                             "(the data layer's worker)")
+        names.add(wc.name)
+        if wc.count < 0:
+            raise ValueError(f"{key}.count must be >= 0, got {wc.count}")
+        if wc.slowdown < 1.0:
+            raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower than this machine), "
+                             f"got {wc.slowdown}")
+        if wc.nthreads is not None and wc.nthreads < 1:
+            raise ValueError(f"{key}.nthreads must be >= 1 or null (cluster.threads_per_worker), got {wc.nthreads}")
+        if wc.resources is not None and "control" in wc.resources:
+            raise ValueError(f"{key}.resources: 'control' marks the data layer's worker; remove it")
+    if c.pools and c.scheduler_address is None:
+        labels = [f"rollout_{p}" for p in policies] + ["score"]
+        missing = [r for r in labels if not any(wc.count > 0 and (wc.resources is None or wc.resources.get(r, 0) > 0)
+                                                for wc in c.pools)]
+        if missing:
+            raise ValueError(f"cluster.pools: no worker carries {missing}; give a class resources: null (every rollout "
+                             f"label) or add them, e.g. resources: {{{', '.join(f'{r}: 1' for r in labels)}}}")
+    a = c.autoscale
+    if a is not None:
+        if c.scheduler_address is not None:
+            raise ValueError("cluster.autoscale resizes a local cluster's pool; with cluster.scheduler_address, scale "
+                             "your cluster's own way (dask-jobqueue/kubernetes adapt) or remove autoscale")
+        if not 1 <= a.minimum <= a.maximum:
+            raise ValueError(f"cluster.autoscale: need 1 <= minimum <= maximum, got {a.minimum}, {a.maximum}")
+        if not 0.0 <= a.ewma_decay < 1.0:
+            raise ValueError(f"cluster.autoscale.ewma_decay must be in [0, 1), got {a.ewma_decay}")
+        _positive("cluster.autoscale", interval_s=a.interval_s, wait_count=a.wait_count)
+        if a.cooldown_steps < 0:
+            raise ValueError(f"cluster.autoscale.cooldown_steps must be >= 0, got {a.cooldown_steps}")
+        pools = [wc.name for wc in c.pools] or ["rollout"]
+        if a.pool is not None and a.pool not in pools:
+            raise ValueError(f"cluster.autoscale.pool: no worker class {a.pool!r}; classes are {pools}")
+
+
 def _default(kind: str, name: str):
     from astratk.registry import resolve
 
@@ -249,3 +377,20 @@ def _positive(key: str, **values: float) -> None:
     for name, v in values.items():
         if not v > 0:
             raise ValueError(f"{key}.{name} must be > 0, got {v}")
+
+
+def _validate_weights(w: WeightsSpec) -> None:
+    if w.keep_last is not None and w.keep_last < 1:
+        raise ValueError(f"weights.keep_last must be >= 1 or null (keep all), got {w.keep_last}")
+    if w.full_every < 1:
+        raise ValueError(f"weights.full_every must be >= 1 (1: full snapshots only; AstraFlow uses 10), got "
+                         f"{w.full_every}")
+    dtypes = ("bfloat16", "float16", "float32")
+    if w.publish_dtype is not None and w.publish_dtype not in dtypes:
+        raise ValueError(f"weights.publish_dtype must be one of {list(dtypes)} or null (the trainer's dtype), got "
+                         f"{w.publish_dtype!r}")
+    if w.link_bandwidth_bps is not None and not w.link_bandwidth_bps > 0:
+        raise ValueError(f"weights.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null (no simulated link), "
+                         f"got {w.link_bandwidth_bps}")
+    if w.link_latency_s < 0:
+        raise ValueError(f"weights.link_latency_s must be >= 0 seconds, got {w.link_latency_s}")

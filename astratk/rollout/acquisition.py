@@ -2,9 +2,14 @@
 
 It leases tasks from the data layer and submits `rollout -> score -> admit` chains with resource requirements, so Dask
 places them on workers labelled for the policies involved, balances load, and resubmits work from workers that die.
-It keeps `max_inflight_chunks` chains per rollout worker in flight, and counts workers on every pass, so workers that
+It keeps `max_inflight_chunks` chains per rollout worker in flight, and re-counts workers every 2 s, so workers that
 join or leave change the target without any system code. A chain that fails releases its leases for re-issue; a lost
 worker's leases expire and are re-issued by the data layer.
+
+Per-service metrics: every admitted chunk reports which service (worker) rolled it out and on which hardware class;
+`ServiceStats` turns that into throughput (tasks/s and tokens/s while busy) and version lag (the policy's version at
+admission minus the group's version), per service and per hardware class. `task_accounting` states, from the data
+layer's counters, that no leased task was lost.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import CancelledError
 from typing import Any
 
 from astratk.dataflow.handle import DataLayerHandle
@@ -30,6 +37,7 @@ class Acquisition:
         self.ctx = ctx
         self.spec = ctx.spec
         self.counts: Counter[str] = Counter()
+        self.services = ServiceStats()
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astratk-acquisition", daemon=True)
@@ -61,18 +69,20 @@ class Acquisition:
             self._workers_checked = now
         return self._n_workers
 
-    def _submit(self) -> bool:
-        leases = self.datalayer.call("lease", self.spec.rollout.tasks_per_chunk)
-        if not leases:
-            return False
+    def _submit(self, chunks: int) -> None:
+        """Lease up to `chunks` chunks' worth of tasks in one data-layer call (an actor round trip per chunk capped
+        the loop at ~35 chunks/s on 2 cores: bench/scaling.py) and submit a chain per chunk."""
+        per_chunk = self.spec.rollout.tasks_per_chunk
+        leases = self.datalayer.call("lease", chunks * per_chunk)
         resources = {f"rollout_{p}": 1 for p in self._policies}
-        rolled = self.client.submit(rollout_task, self.ctx, leases, resources=resources, pure=False,
-                                    key=f"rollout-{self.ctx.run_id}-{leases[0].lease_id}-{leases[0].attempt}")
-        scored = self.client.submit(score_task, self.ctx, rolled, resources={"score": 1}, pure=False)
-        admitted = self.client.submit(admit_task, scored, self.datalayer, pure=False)
-        self._inflight[admitted] = [(lease.lease_id, lease.attempt) for lease in leases]
-        self.counts["acquisition/chunks_submitted"] += 1
-        return True
+        for i in range(0, len(leases), per_chunk):
+            chunk = leases[i:i + per_chunk]
+            rolled = self.client.submit(rollout_task, self.ctx, chunk, resources=resources, pure=False,
+                                        key=f"rollout-{self.ctx.run_id}-{chunk[0].lease_id}-{chunk[0].attempt}")
+            scored = self.client.submit(score_task, self.ctx, rolled, resources={"score": 1}, pure=False)
+            admitted = self.client.submit(admit_task, scored, self.datalayer, pure=False)
+            self._inflight[admitted] = [(lease.lease_id, lease.attempt) for lease in chunk]
+            self.counts["acquisition/chunks_submitted"] += 1
 
     def _loop(self) -> None:
         from distributed import wait
@@ -80,8 +90,8 @@ class Acquisition:
         while not self._stop.is_set():
             try:
                 target = self.spec.rollout.max_inflight_chunks * max(1, self._rollout_workers())
-                while len(self._inflight) < target and self._submit():
-                    pass
+                if len(self._inflight) < target:
+                    self._submit(target - len(self._inflight))
                 if not self._inflight:
                     time.sleep(0.2)  # back-pressure: the buffer is full
                     continue
@@ -89,8 +99,9 @@ class Acquisition:
                     done, _ = wait(list(self._inflight), timeout=0.5, return_when="FIRST_COMPLETED")
                 except TimeoutError:
                     continue
-                for future in done:
-                    self._collect(future)
+                except CancelledError:  # Dask's wait raises while any future is cancelled (e.g. "lost dependencies")
+                    done = [f for f in self._inflight if f.status in ("cancelled", "error", "finished")]
+                self._collect(done)
             except Exception as e:  # keep acquiring: one bad chunk must not stop the run; errors are reported
                 if self._stop.is_set():
                     break
@@ -99,14 +110,126 @@ class Acquisition:
                 log.exception("acquisition loop error")
                 time.sleep(1.0)
 
-    def _collect(self, future: Any) -> None:
-        leases = self._inflight.pop(future)
-        if future.status == "finished":
-            for k, v in future.result().items():
+    def _collect(self, done: Any) -> None:
+        """Count finished chains (their small results fetched in one gather, not a round trip each: see `_submit`)
+        and release the leases of failed ones for re-issue."""
+        finished = [f for f in done if f.status == "finished"]
+        try:
+            results = self.client.gather(finished) if finished else []
+        except Exception:  # noqa: BLE001 - a result was lost since the status check: fetch them one at a time
+            results = None
+        for i, future in enumerate(finished):
+            try:
+                result = dict(results[i] if results is not None else future.result(timeout=10))
+            except Exception:  # noqa: BLE001, S112 - not collectable now; still in flight, the next pass looks again
+                continue
+            self._inflight.pop(future, None)
+            self.services.add(result.pop("services", {}))
+            for k, v in result.items():
                 self.counts[f"acquisition/{k}"] += v
-            return
+        for future in done:
+            if future in self._inflight and future.status in ("error", "cancelled"):
+                self._failed(future)
+
+    def _failed(self, future: Any) -> None:
+        leases = self._inflight.pop(future)
         self.counts["acquisition/chunks_failed"] += 1
         exc = future.exception() if future.status == "error" else future.status
         self.errors.append(f"rollout chunk {leases[0][0]}..: {exc!r}")
         log.warning("rollout chunk failed (%s); releasing %d leases for re-issue", exc, len(leases))
         self.datalayer.call("release", leases, "error")
+
+
+class ServiceStats:
+    """Per-service and per-hardware-class counters from admitted chunks (thread-safe; the acquisition thread adds,
+    anyone reads).
+
+    - tasks, groups, samples, tokens (policy-generated completion tokens), duplicates (admissions ignored because
+      the lease was already admitted: a re-run chunk);
+    - busy_s: summed chunk time (a chunk's leases run concurrently, so a chunk counts its longest lease);
+      tasks_per_s, tokens_per_s = tasks / busy_s, tokens / busy_s: the service's speed while it works;
+    - version_lag_mean / _max: the policy's version at admission minus the group's version;
+    - first_version: the lowest version in the service's first admitted chunk; first_synced_version: the version its
+      engines held when that chunk started generating (a joining worker catches up first, so these are equal and
+      recent, not 0).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[str, Any]] = {}
+
+    def add(self, chunk: Mapping[str, Mapping[str, Any]]) -> None:
+        with self._lock:
+            for name, c in chunk.items():
+                row = self._rows.get(name)
+                if row is None:
+                    synced = c.get("synced_versions") or {}
+                    row = self._rows[name] = {
+                        "hardware": str(c.get("hardware", "default")), "tasks": 0.0, "groups_admitted": 0.0,
+                        "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "busy_s": 0.0, "lag_sum": 0.0,
+                        "lag_n": 0.0, "version_lag_max": 0.0,
+                        "first_version": float(min(c["versions"])) if c.get("versions") else -1.0,
+                        "first_synced_version": float(min(synced.values())) if synced else -1.0}
+                row["tasks"] += c["leases"]
+                row["groups_admitted"] += c["groups_admitted"]
+                row["duplicates"] += c["duplicates"]
+                row["samples"] += c["samples"]
+                row["tokens"] += c["tokens"]
+                row["busy_s"] += c["seconds"]
+                lags = c.get("lags") or []
+                row["lag_sum"] += sum(lags)
+                row["lag_n"] += len(lags)
+                row["version_lag_max"] = max([row["version_lag_max"], *lags])
+
+    def by_service(self) -> dict[str, dict[str, Any]]:
+        """service name -> its metrics (floats, plus "hardware": its class)."""
+        with self._lock:
+            rows = {k: dict(v) for k, v in self._rows.items()}
+        for row in rows.values():
+            busy = row["busy_s"]
+            row["tasks_per_s"] = row["tasks"] / busy if busy > 0 else 0.0
+            row["tokens_per_s"] = row["tokens"] / busy if busy > 0 else 0.0
+            row["version_lag_mean"] = row.pop("lag_sum") / row["lag_n"] if row["lag_n"] else 0.0
+            del row["lag_n"]
+        return rows
+
+    def by_hardware(self) -> dict[str, dict[str, float]]:
+        """hardware class -> services, tasks, and the mean per-service tasks/s and tokens/s of that class."""
+        out: dict[str, dict[str, float]] = {}
+        for row in self.by_service().values():
+            h = out.setdefault(row["hardware"], {"services": 0.0, "tasks": 0.0, "tasks_per_s": 0.0,
+                                                 "tokens_per_s": 0.0, "version_lag_max": 0.0})
+            h["services"] += 1
+            h["tasks"] += row["tasks"]
+            h["tasks_per_s"] += row["tasks_per_s"]
+            h["tokens_per_s"] += row["tokens_per_s"]
+            h["version_lag_max"] = max(h["version_lag_max"], row["version_lag_max"])
+        for h in out.values():
+            h["tasks_per_s"] /= h["services"]
+            h["tokens_per_s"] /= h["services"]
+        return out
+
+
+def task_accounting(data: Mapping[str, float]) -> dict[str, float]:
+    """Where every leased task went, from the data layer's counters (`DataLayer.metrics()`).
+
+    A lease id is created once per task (`leases_issued` counts re-issues too, `leases_reissued` only those). Each id
+    ends in exactly one place: admitted (`tasks_completed`, once: later admissions are `duplicates_ignored`), dropped
+    after `max_task_attempts` failed rollouts (`tasks_dropped_failed`, counted), or still open when the run stopped
+    (`leases_outstanding` + `leases_waiting_reissue`). So
+
+        tasks_lost = (leases_issued - leases_reissued) - tasks_completed - tasks_dropped_failed - open
+
+    is 0 when nothing was lost. One benign exception makes it negative, never positive: a lease that expired
+    (`leases_expired`) and whose slow original was admitted before its re-issue was handed out is both completed and
+    still queued for re-issue (the queue drops it lazily); so a negative value is bounded by `leases_expired`.
+    """
+    def get(k: str) -> float:
+        return float(data.get(f"data/{k}", 0.0))
+
+    leased = get("leases_issued") - get("leases_reissued")
+    still_open = get("leases_outstanding") + get("leases_waiting_reissue")
+    lost = leased - get("tasks_completed") - get("tasks_dropped_failed") - still_open
+    return {"tasks_leased": leased, "tasks_completed": get("tasks_completed"),
+            "tasks_dropped_failed": get("tasks_dropped_failed"), "tasks_open": still_open, "tasks_lost": lost,
+            "duplicates_ignored": get("duplicates_ignored")}

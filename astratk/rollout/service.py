@@ -15,6 +15,7 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,25 +26,56 @@ from astratk.dataflow.datalayer import Lease
 from astratk.records import Group, Task, Trajectory
 from astratk.registry import resolve
 from astratk.spec import RunSpec
+from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
 
 
 @dataclass(frozen=True)
 class RunContext:
-    """What a worker needs to serve a run: small and picklable, passed with every task."""
+    """What a worker needs to serve a run: picklable, passed with every task. Treat it as immutable once shipped:
+    it is pickled once per process and unpickled once per process (`__reduce__`)."""
 
     run_id: str
     spec: RunSpec
     model_paths: dict[str, str]  # policy_id -> HF model dir (version 0)
     store_url: str
 
+    def __reduce__(self) -> tuple:
+        """The context travels with every rollout and score task, and its env may hold data (arithmetic's held-out
+        set: ~45 KB); pickling and unpickling it per task doubled the CPU cost of a rollout chunk
+        (bench/scaling.py). So the bytes are made once here, and each receiving process rebuilds the object once."""
+        blob = self.__dict__.get("_pickled")
+        if blob is None:
+            import cloudpickle  # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
+
+            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url))
+            object.__setattr__(self, "_pickled", blob)
+        return (_context_from_bytes, (blob,))
+
+
+_CONTEXTS: dict[bytes, RunContext] = {}  # pickled bytes -> the context rebuilt from them, in this process
+
+
+def _context_from_bytes(blob: bytes) -> RunContext:
+    ctx = _CONTEXTS.get(blob)
+    if ctx is None:
+        import pickle
+
+        if len(_CONTEXTS) >= 8:  # a process serves few runs; keep the newest
+            _CONTEXTS.pop(next(iter(_CONTEXTS)))
+        ctx = _CONTEXTS[blob] = RunContext(*pickle.loads(blob))
+        object.__setattr__(ctx, "_pickled", blob)
+    return ctx
+
 
 @dataclass(frozen=True)
 class LeaseResult:
     lease_id: str
     groups: tuple[Group, ...]
-    seconds: float
-    service: str
+    seconds: float  # generation time of this lease, including any simulated slowdown
+    service: str  # the worker that rolled it out
+    hardware: str = "default"  # that worker's class (`astratk.runtime.pools`)
+    synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # policy -> engine version at start
 
 
 _SERVICES: dict[str, RolloutService] = {}
@@ -71,7 +103,7 @@ def _service_name() -> str:
     try:
         from distributed import get_worker
 
-        return get_worker().name
+        return str(get_worker().name)
     except (ImportError, ValueError):
         return f"pid{os.getpid()}"
 
@@ -83,7 +115,7 @@ class RolloutService:
         torch.set_num_threads(self.spec.cluster.torch_threads)
         _quiet_transformers()
         self.env: Env = self.spec.env
-        self.store = WeightStore(ctx.store_url)
+        self.store = WeightStore.from_spec(ctx.store_url, ctx.spec.weights)
         self.name = _service_name()
         self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
@@ -101,31 +133,50 @@ class RolloutService:
     def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:
         """Move the engine to `version` (default: the newest published); returns the engine's version after.
 
-        An engine never moves back on its own: only an explicit `version` (evaluation) loads an older one."""
+        The store sends what is cheapest from the engine's version (`WeightStore.pull`): a sparse delta from it, or a
+        full state. An engine never moves back on its own: only an explicit `version` (evaluation) loads an older
+        one, in full. A delta the engine refuses (a bf16 delta for an fp32 engine, a VLLMEngine without host
+        weights) is replaced by the full state, with a warning naming the fix."""
         engine = self.engine(policy_id, purpose)
         with self._lock:
-            if version is None:
-                ref = self.store.latest(policy_id)
-                if ref is None or ref.version <= engine.version:
-                    return engine.version
-            elif version == engine.version:
+            if version is not None and version == engine.version:
                 return version
-            else:
-                ref = self.store.ref(policy_id, version)
-            engine.load_weights(self.store.fetch(ref), ref.version)
+            try:
+                payload, ref = self.store.pull(policy_id, engine.version, version)
+            except KeyError:
+                if version is None:  # nothing published yet
+                    return engine.version
+                raise
+            if payload is None:
+                return engine.version
+            try:
+                engine.load_weights(payload, ref.version)
+            except ValueError as e:
+                if not isinstance(payload, SparseDelta):
+                    raise
+                warnings.warn(f"engine {type(engine).__name__} of policy {policy_id!r} refused a weight delta ({e}); "
+                              "loading full states instead. If the engine's dtype differs from the published one, "
+                              "set weights.publish_dtype to the engine's dtype", stacklevel=2)
+                payload, ref = self.store.pull(policy_id, None, ref.version)
+                engine.load_weights(payload, ref.version)
         return engine.version
 
     # ------------------------------------------------------------------------------------------------ rollout
     def rollout(self, leases: Sequence[Lease]) -> list[LeaseResult]:
+        """Sync every routed engine to the newest weights, then roll out all leases concurrently. The worker's name
+        and class are read per call: in a threads-mode cluster several workers share this process's service."""
+        from astratk.runtime.pools import worker_hardware  # on a worker only: it imports distributed
+
         policies = sorted({p for lease in leases for p in lease.routes.values()})
-        for pid in policies:
-            self.sync(pid)
-        return asyncio.run(self._rollout_all(leases))
+        synced = {pid: self.sync(pid) for pid in policies}
+        hardware, slowdown = worker_hardware()
+        stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
+        return asyncio.run(self._rollout_all(leases, stamp, slowdown))
 
-    async def _rollout_all(self, leases: Sequence[Lease]) -> list[LeaseResult]:
-        return list(await asyncio.gather(*(self._rollout_lease(lease) for lease in leases)))
+    async def _rollout_all(self, leases: Sequence[Lease], stamp: dict, slowdown: float) -> list[LeaseResult]:
+        return list(await asyncio.gather(*(self._rollout_lease(lease, stamp, slowdown) for lease in leases)))
 
-    async def _rollout_lease(self, lease: Lease) -> LeaseResult:
+    async def _rollout_lease(self, lease: Lease, stamp: dict, slowdown: float = 1.0) -> LeaseResult:
         start = time.perf_counter()
         r = self.spec.rollout
         engines = {role: self.engine(pid) for role, pid in lease.routes.items()}
@@ -136,8 +187,10 @@ class RolloutService:
             self.env.rollout(lease.task, engines, sampling, policy_ids=lease.routes,
                              group_id=f"{lease.lease_id}/{i}")
             for i in range(r.group_size)))
-        groups = _groups_by_role(lease, [t for episode in episodes for t in episode], self.name)
-        return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, self.name)
+        if slowdown > 1.0:  # simulated slower hardware (astratk.runtime.pools): generation takes `slowdown` x as long
+            await asyncio.sleep((slowdown - 1.0) * (time.perf_counter() - start))
+        groups = _groups_by_role(lease, [t for episode in episodes for t in episode], stamp["service"])
+        return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, **stamp)
 
     def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
         """Score each lease's episodes in one `env.score` call over all its roles' trajectories (a workflow's reward

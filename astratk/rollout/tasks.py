@@ -8,6 +8,7 @@ scheduler.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from astratk.dataflow.datalayer import Lease
 from astratk.dataflow.handle import DataLayerHandle
@@ -22,17 +23,36 @@ def score_task(ctx: RunContext, results: Sequence[LeaseResult]) -> list[LeaseRes
     return get_service(ctx).score(results)
 
 
-def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> dict[str, float]:
+def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> dict[str, Any]:
+    """Admit each lease's groups (idempotent by lease id). Returns float totals plus, under "services", what each
+    rollout service produced in this chunk (`astratk.rollout.acquisition.ServiceStats` aggregates them)."""
     admitted = duplicates = samples = 0
     seconds = 0.0
+    services: dict[str, dict[str, Any]] = {}
+    current: dict[str, int] = {}
     for res in results:
         out = datalayer.call("admit", res.lease_id, list(res.groups))
         admitted += out["admitted"]
         duplicates += out["duplicate"]
         samples += sum(len(g.trajectories) for g in res.groups)
         seconds += res.seconds
+        for pid in {g.policy_id for g in res.groups} - set(current):
+            current[pid] = datalayer.call("version", pid)  # "current" for the version lag: the version at admission
+        s = services.setdefault(res.service, {"hardware": res.hardware, "leases": 0.0, "groups_admitted": 0.0,
+                                              "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0,
+                                              "lags": [], "versions": [], "synced_versions": res.synced_versions})
+        s["leases"] += 1
+        s["groups_admitted"] += out["admitted"]
+        s["duplicates"] += out["duplicate"]
+        s["seconds"] = max(s["seconds"], res.seconds)  # a chunk's leases run concurrently: its time is the longest
+        for g in res.groups:
+            s["samples"] += len(g.trajectories)
+            s["tokens"] += sum(sum(t.loss_mask) for t in g.trajectories)
+            if g.version >= 0:
+                s["versions"].append(g.version)
+                s["lags"].append(current[g.policy_id] - g.version)
     return {"leases": float(len(results)), "groups_admitted": float(admitted), "duplicates": float(duplicates),
-            "samples": float(samples), "rollout_seconds": seconds}
+            "samples": float(samples), "rollout_seconds": seconds, "services": services}
 
 
 def evaluate_task(ctx: RunContext, policy_id: str, version: int | None, max_tasks: int) -> dict[str, float]:

@@ -42,7 +42,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0) -> Deploym
         raise TimeoutError(f"the data-layer actor did not start on the control worker within {timeout_s:.0f}s"
                            ) from None
     handle = DataLayerHandle(actor)
-    store = WeightStore(ctx.store_url)
+    store = WeightStore.from_spec(ctx.store_url, spec.weights)
     for p in spec.policies:
         ref = store.latest(p.policy_id)
         if ref is None:

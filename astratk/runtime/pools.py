@@ -1,0 +1,219 @@
+"""Worker pools: classes of workers with their own resource labels and (simulated) hardware, on an elastic cluster.
+
+A pool is a list of `WorkerClass`es (defined in `astratk.spec`, re-exported here). `start_pool_cluster` builds a
+`PoolCluster`: one `control` worker (it hosts the data-layer actor) plus `count` workers per class, named
+`{class}-{i}`. Scaling touches one elastic class only, so neither `cluster.scale(n)` nor Dask's adaptive scaling can
+retire the control worker (TRAPS: adaptive scaling chooses which workers to retire).
+
+Heterogeneous hardware is *simulated* on one machine: a class's `slowdown` reaches its workers through the
+`SimulatedHardware` worker plugin, and the rollout service sleeps (slowdown - 1) x its generation time after
+generating (`astratk.rollout.service`). Workers started by hand name their class and slowdown in the environment:
+`ASTRATK_WORKER_CLASS=gpu_slow ASTRATK_SIM_SLOWDOWN=3 dask worker ... --resources "rollout_main=1,score=1"`.
+
+Example (a fast and a slow class; per-service throughput then shows up in the run's metrics, dimension `service`):
+
+    >>> from astratk.spec import ClusterSpec, RunSpec, WorkerClass
+    >>> spec = RunSpec(cluster=ClusterSpec(pools=[WorkerClass("gpu_fast", 1), WorkerClass("gpu_slow", 2, slowdown=3)]))
+    >>> sorted(worker_specs(spec))
+    ['control', 'gpu_fast-0', 'gpu_slow-0', 'gpu_slow-1']
+    >>> cluster = start_pool_cluster(spec)  # doctest: +SKIP
+    >>> cluster.scale_pool(4, "gpu_slow")  # doctest: +SKIP
+
+Extending: another hardware class is another `WorkerClass`; nothing branches on its name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import dask
+from distributed import Nanny, Scheduler, SpecCluster, Worker, WorkerPlugin, get_worker
+from distributed.core import Status
+from distributed.utils import NoOpAwaitable
+
+from astratk.spec import WorkerClass
+
+if TYPE_CHECKING:
+    from astratk.spec import RunSpec
+
+__all__ = ["PoolCluster", "SimulatedHardware", "WorkerClass", "pool_classes", "rollout_labels", "start_pool_cluster",
+           "worker_hardware", "worker_specs"]
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+CONTROL = "control"
+
+_HARDWARE: dict[str, tuple[str, float]] = {}  # worker name -> (class, slowdown), filled by SimulatedHardware
+
+
+class SimulatedHardware(WorkerPlugin):
+    """A worker plugin that tells the rollout service its worker's class and simulated slowdown. It pickles by
+    reference into nanny-spawned processes, and is keyed by worker name, so several in-process workers (threads
+    mode) keep their own."""
+
+    def __init__(self, worker_class: str, slowdown: float = 1.0) -> None:
+        self.worker_class = worker_class
+        self.slowdown = float(slowdown)
+        self.name = "astratk-hardware"
+
+    def setup(self, worker: Any) -> None:
+        _HARDWARE[str(worker.name)] = (self.worker_class, self.slowdown)
+
+    def teardown(self, worker: Any) -> None:
+        _HARDWARE.pop(str(worker.name), None)
+
+
+def worker_hardware(worker_name: str | None = None) -> tuple[str, float]:
+    """(class, slowdown) of the worker this runs on: from its `SimulatedHardware` plugin, else from
+    `ASTRATK_WORKER_CLASS` / `ASTRATK_SIM_SLOWDOWN`, else ("default", 1.0)."""
+    if worker_name is None:
+        try:
+            worker_name = str(get_worker().name)
+        except ValueError:  # not in a Dask task
+            worker_name = None
+    if worker_name is not None and worker_name in _HARDWARE:
+        return _HARDWARE[worker_name]
+    return os.environ.get("ASTRATK_WORKER_CLASS", "default"), float(os.environ.get("ASTRATK_SIM_SLOWDOWN", "1"))
+
+
+def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
+    """The labels a worker needs to serve every policy's rollouts and score them."""
+    return {f"rollout_{p}": 1 for p in policies} | {"score": 1}
+
+
+def pool_classes(spec: RunSpec) -> list[WorkerClass]:
+    """The run's worker classes: `cluster.pools`, or one class "rollout" of `cluster.rollout_workers` workers."""
+    return list(spec.cluster.pools) or [WorkerClass("rollout", spec.cluster.rollout_workers)]
+
+
+def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int) -> dict[str, Any]:
+    resources = dict(labels if wc.resources is None else wc.resources)
+    options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": wc.nthreads or nthreads, "resources": resources,
+                               "plugins": [SimulatedHardware(wc.name, wc.slowdown)]}
+    if processes:
+        options["silence_logs"] = logging.WARNING  # worker INFO lines would drown the run's progress
+    return {"cls": Nanny if processes else Worker, "options": options}
+
+
+def _control_spec(processes: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": 1, "resources": {CONTROL: 1}}
+    if processes:
+        options["silence_logs"] = logging.WARNING
+    return {"cls": Nanny if processes else Worker, "options": options}
+
+
+def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
+    """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
+    class of the run's pool."""
+    labels = rollout_labels([p.policy_id for p in spec.policies])
+    workers = {CONTROL: _control_spec(processes)}
+    for wc in pool_classes(spec):
+        for i in range(wc.count):
+            workers[f"{wc.name}-{i}"] = _class_spec(wc, labels, processes=processes,
+                                                    nthreads=spec.cluster.threads_per_worker)
+    return workers
+
+
+def _default_elastic(classes: Sequence[WorkerClass], labels: dict[str, float]) -> str:
+    for wc in classes:
+        res = labels if wc.resources is None else wc.resources
+        if any(k.startswith("rollout_") and v > 0 for k, v in res.items()):
+            return wc.name
+    return classes[0].name
+
+
+def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | None = None) -> PoolCluster:
+    """A `PoolCluster` for the run's classes; `elastic` is the class `scale` resizes (default: `cluster.autoscale.pool`,
+    else the first rollout class). Thread counts go into each nanny's pre-spawn environment (read before a worker
+    imports numpy/torch, reused when the nanny restarts a dead worker). Everything binds to 127.0.0.1."""
+    classes = pool_classes(spec)
+    labels = rollout_labels([p.policy_id for p in spec.policies])
+    if elastic is None and spec.cluster.autoscale is not None:
+        elastic = spec.cluster.autoscale.pool
+    elastic = elastic or _default_elastic(classes, labels)
+    templates = {wc.name: _class_spec(wc, labels, processes=processes, nthreads=spec.cluster.threads_per_worker)
+                 for wc in classes}
+    pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
+    pre_spawn.update({k: str(spec.cluster.torch_threads) for k in THREAD_ENV})
+    return PoolCluster(worker_specs(spec, processes), templates, elastic, dashboard=spec.cluster.dashboard,
+                       pre_spawn_environ=pre_spawn)
+
+
+class PoolCluster(SpecCluster):
+    """A SpecCluster whose workers belong to named classes. `scale(n)` (total workers: Dask's meaning, and how the
+    adaptive scaler calls it) and `scale_pool(n, cls)` add or remove workers of one class only, so `control` and the
+    other classes are never retired by scaling (a crash is another matter: the nanny restarts a killed worker)."""
+
+    def __init__(self, workers: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]], elastic: str, *,
+                 dashboard: bool = False, pre_spawn_environ: dict[str, str] | None = None) -> None:
+        if elastic not in templates:
+            raise ValueError(f"elastic pool {elastic!r} is not a worker class; classes are {sorted(templates)}")
+        self.templates = templates
+        self.elastic = elastic
+        self.worker_class = {name: CONTROL if name == CONTROL else name.rsplit("-", 1)[0] for name in workers}
+        self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
+        self._pre_spawn = pre_spawn_environ
+        # dashboard off means off: dashboard_address=None alone still tries port 8787 (and warns when it is taken)
+        scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
+                                                   "dashboard_address": "127.0.0.1:0" if dashboard else None}}
+        super().__init__(workers=workers, scheduler=scheduler, worker=templates[elastic], name="astratk",
+                         silence_logs=logging.WARNING)
+
+    async def _correct_state_internal(self) -> None:
+        """Start/stop workers to match the spec. A Nanny reads `pre-spawn-environ` (thread counts must be set before a
+        worker imports numpy/torch) when it is *created*, so it is set around every creation, not only the first."""
+        if self._pre_spawn is None:
+            return await super()._correct_state_internal()
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": self._pre_spawn}):
+            return await super()._correct_state_internal()
+
+    def protected(self) -> set[str]:
+        """Workers that scaling never retires: `control` and every class but the elastic one."""
+        return {n for n in self.worker_spec if self.worker_class.get(n) != self.elastic}
+
+    def pool(self, worker_class: str | None = None) -> list[str]:
+        """Planned workers of a class (default: the elastic one), oldest first."""
+        c = worker_class or self.elastic
+        return [n for n in self.worker_spec if self.worker_class.get(n) == c]
+
+    def scale(self, n: int = 0, memory: Any = None, cores: Any = None) -> Any:
+        """Total worker count `n` (Dask's meaning): the elastic class absorbs the difference. While closing, Dask's
+        own meaning (SpecCluster closes its workers with `scale(0)`; keeping control then would leave it to die with
+        the scheduler, "Worker process died unexpectedly")."""
+        if self.status in (Status.closing, Status.closed):
+            return super().scale(n)
+        if memory is not None or cores is not None:
+            raise ValueError("PoolCluster.scale: give a worker count; memory/cores targets are not supported")
+        fixed = len(self.worker_spec) - len(self.pool())
+        return self.scale_pool(max(0, n - fixed))
+
+    def scale_pool(self, n: int, worker_class: str | None = None) -> Any:
+        """Set the number of workers of `worker_class` (default: the elastic class) to `n`. Removes workers that
+        have not started yet first, then the newest. Returns at once; workers start in the background."""
+        c = worker_class or self.elastic
+        if c not in self.templates:
+            raise ValueError(f"no worker class {c!r}; classes are {sorted(self.templates)}")
+        members = self.pool(c)
+        if len(members) > n:
+            started = {str(w.get("name")) for w in self.scheduler_info.get("workers", {}).values()}
+            newest_first = members[::-1]
+            order = [m for m in newest_first if m not in started] + [m for m in newest_first if m in started]
+            for name in order[:len(members) - n]:
+                del self.worker_spec[name]
+        while len(self.pool(c)) < n and self.status not in (Status.closing, Status.closed):
+            name = f"{c}-{self._next_index[c]}"
+            self._next_index[c] += 1
+            self.worker_spec[name] = self.templates[c]
+            self.worker_class[name] = c
+        self.loop.add_callback(self._correct_state)
+        return NoOpAwaitable() if self.asynchronous else None
+
+    async def scale_down(self, workers: Any) -> None:
+        """Dask's adaptive scaler retires workers through this: protected ones are refused (logged)."""
+        keep = self.protected()
+        refused = [w for w in workers if w in keep]
+        if refused:
+            logging.getLogger(__name__).warning("refusing to retire protected workers %s", refused)
+        await super().scale_down([w for w in workers if w not in keep])
