@@ -314,11 +314,7 @@ class TorchEngine:
     # ------------------------------------------------------------------------------------------------ batcher
     def _validate(self, r: GenerationRequest) -> None:
         """Reject a bad request at its caller, before it can fail a batch shared with others."""
-        if not r.prompt_ids:
-            raise ValueError("empty prompt: an engine needs at least one prompt token (prepend a BOS token)")
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self._vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {self._vocab}), got {min(r.prompt_ids)}.."
-                             f"{max(r.prompt_ids)}")
+        check_prompt(r, self._vocab)
         if r.params.stop and self._tokenizer is None:
             raise ValueError(f"stop strings {r.params.stop!r} need an engine with a tokenizer: give one to "
                              "TorchEngine.from_model(model, tokenizer), or serve a model directory with tokenizer "
@@ -506,6 +502,14 @@ def _left_padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.
     mask = torch.ones(len(prompts), p + new_tokens, dtype=torch.long, device=device)
     mask[:, :p] = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts], device=device)
     return ids, mask, torch.tensor([len(x) for x in prompts], device=device)
+
+
+def check_prompt(r: GenerationRequest, vocab: int) -> None:
+    """A request's prompt is non-empty and inside the vocabulary (every engine checks this at its caller)."""
+    if not r.prompt_ids:
+        raise ValueError("empty prompt: an engine needs at least one prompt token (prepend a BOS token)")
+    if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(r.prompt_ids)}..{max(r.prompt_ids)}")
 
 
 def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

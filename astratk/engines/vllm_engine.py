@@ -48,20 +48,10 @@ from transformers import AutoTokenizer
 
 from astratk.contracts import Completion, GenerationRequest
 from astratk.engines import _vllm_compat as compat
-from astratk.engines.torch_engine import _settle
+from astratk.engines.torch_engine import _Call, _settle, check_prompt
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(eq=False)
-class _Call:
-    requests: list[GenerationRequest]
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-    def __post_init__(self) -> None:
-        self.results: list[Completion | None] = [None] * len(self.requests)
-        self.remaining = len(self.requests)
 
 
 @dataclass(eq=False)
@@ -219,11 +209,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------------ checks
     def _validate(self, r: GenerationRequest) -> None:
-        if not r.prompt_ids:
-            raise ValueError("empty prompt: an engine needs at least one prompt token (prepend a BOS token)")
-        if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self._vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {self._vocab}), got {min(r.prompt_ids)}.."
-                             f"{max(r.prompt_ids)}")
+        check_prompt(r, self._vocab)
         if len(r.prompt_ids) + r.params.max_tokens > self._max_len:
             raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) exceeds the "
                              f"engine's max_model_len {self._max_len}: shorten the prompt or the budget, or build "

@@ -43,8 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
-from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.chat import single_turn
 from astratk.envs.code.jsonl import Format, load_problems
 from astratk.envs.code.sandbox import Isolation, Sandbox, SandboxResult
 from astratk.envs.code.tasks import CodeProblem, SyntheticTasks
@@ -278,21 +278,8 @@ class CodeEnv(Env):
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
-        engine = engines["policy"]
-        tok = engine.tokenizer
-        prompt = encode_chat(tok, self.messages(task))
-        params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                stop_token_ids=stop_token_ids(tok), seed=sampling.seed,
-                                top_k_logprobs=sampling.top_k_logprobs)
-        [c] = await engine.generate([GenerationRequest(tuple(prompt), params)])
-        text = tok.decode(list(c.token_ids), skip_special_tokens=True)
-        n = len(c.token_ids)
-        return [Trajectory(task_id=task.task_id, group_id=group_id, policy_id=policy_ids["policy"], role="policy",
-                           tokens=tuple(prompt) + c.token_ids, n_prompt=len(prompt), loss_mask=(1,) * n,
-                           behavior_logprobs=c.logprobs, behavior_versions=c.versions,
-                           finished=c.finish_reason == "stop", text=text,
-                           metrics={"completion_tokens": float(n)}, behavior_topk_ids=c.topk_ids,
-                           behavior_topk_logprobs=c.topk_logprobs)]
+        return [await single_turn(engines["policy"], self.messages(task), sampling, task=task, group_id=group_id,
+                                  policy_id=policy_ids["policy"])]
 
     # --------------------------------------------------------------------------------------------------- score
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:

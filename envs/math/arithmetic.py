@@ -22,12 +22,12 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
-from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.chat import single_turn
+from astratk.envs.math.levelled import LevelledSplits
 from astratk.records import Task, Trajectory
 
 LEVELS = {
@@ -43,7 +43,7 @@ def _answer(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-class ArithmeticEnv(Env):
+class ArithmeticEnv(LevelledSplits, Env):
     """Single-turn arithmetic: one role, `policy`, answers `a<op>b=` with the number."""
 
     name = "arithmetic"
@@ -51,17 +51,8 @@ class ArithmeticEnv(Env):
 
     def __init__(self, levels: Sequence[int] = (1, 2), n_heldout: int = 512, seed: int = 1234,
                  system_prompt: str | None = None) -> None:
-        unknown = [lv for lv in levels if lv not in LEVELS]
-        if not levels or unknown:
-            raise ValueError(f"levels must be a non-empty subset of {sorted(LEVELS)}; got {list(levels)}")
-        if n_heldout < 1:
-            raise ValueError(f"n_heldout must be >= 1, got {n_heldout}")
-        self.levels = tuple(int(lv) for lv in levels)
-        self.n_heldout = n_heldout
-        self.seed = seed
         self.system_prompt = system_prompt
-        self._heldout = self._draw_heldout()
-        self._heldout_keys = {t.prompt for t in self._heldout}
+        self._init_splits(levels, LEVELS, n_heldout, seed)
 
     # --------------------------------------------------------------------------------------------------- tasks
     def _problem(self, rng: random.Random, split: str, index: int) -> Task:
@@ -71,33 +62,6 @@ class ArithmeticEnv(Env):
         prompt = f"{a}{op}{b}="
         return Task(task_id=f"{self.name}/{split}/L{level}/{prompt}", env=self.name, prompt=prompt,
                     info={"answer": str(_answer(a, op, b)), "level": level}, split=split)  # type: ignore[arg-type]
-
-    def _draw_heldout(self) -> list[Task]:
-        rng = random.Random(f"{self.seed}/heldout")
-        tasks: dict[str, Task] = {}
-        for i in itertools.count():
-            if len(tasks) == self.n_heldout:
-                break
-            if i > 100 * self.n_heldout:
-                raise ValueError(f"levels {self.levels} have too few distinct problems for n_heldout="
-                                 f"{self.n_heldout}")
-            t = self._problem(rng, "heldout", i)
-            tasks.setdefault(t.prompt, t)
-        return list(tasks.values())
-
-    def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
-
-    def _train_stream(self) -> Iterator[Task]:
-        rng = random.Random(f"{self.seed}/train")
-        for i in itertools.count():
-            t = self._problem(rng, "train", i)
-            if t.prompt not in self._heldout_keys:
-                yield t
 
     def demonstration(self, task: Task) -> str:
         return str(task.info["answer"])
@@ -109,21 +73,8 @@ class ArithmeticEnv(Env):
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
-        engine = engines["policy"]
-        tok = engine.tokenizer
-        prompt = encode_chat(tok, self.messages(task))
-        params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                stop_token_ids=stop_token_ids(tok), seed=sampling.seed,
-                                top_k_logprobs=sampling.top_k_logprobs)
-        [c] = await engine.generate([GenerationRequest(tuple(prompt), params)])
-        text = tok.decode(list(c.token_ids), skip_special_tokens=True)
-        n = len(c.token_ids)
-        return [Trajectory(task_id=task.task_id, group_id=group_id, policy_id=policy_ids["policy"], role="policy",
-                           tokens=tuple(prompt) + c.token_ids, n_prompt=len(prompt), loss_mask=(1,) * n,
-                           behavior_logprobs=c.logprobs, behavior_versions=c.versions,
-                           finished=c.finish_reason == "stop", text=text,
-                           metrics={"completion_tokens": float(n)}, behavior_topk_ids=c.topk_ids,
-                           behavior_topk_logprobs=c.topk_logprobs)]
+        return [await single_turn(engines["policy"], self.messages(task), sampling, task=task, group_id=group_id,
+                                  policy_id=policy_ids["policy"])]
 
     # --------------------------------------------------------------------------------------------------- score
     def grade(self, task: Task, text: str) -> float:

@@ -28,13 +28,13 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import itertools
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.envs.chat import single_turn
 from astratk.envs.math.grading import OUTCOMES, MathGrader
+from astratk.envs.math.levelled import LevelledSplits
 from astratk.records import Task, Trajectory
 
 NAMES = ("Ann", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jay", "Kim", "Leo", "Mia", "Noor")
@@ -201,10 +201,8 @@ class SingleTurnMathEnv(Env):
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
-        # The same single-turn episode as arithmetic (chat prompt from self.messages, the engine's stop tokens, one
-        # completion), reused rather than copied; it reads nothing from self but messages().
-        return await ArithmeticEnv.rollout(self, task, engines, sampling,  # type: ignore[arg-type]
-                                           policy_ids=policy_ids, group_id=group_id)
+        return [await single_turn(engines["policy"], self.messages(task), sampling, task=task, group_id=group_id,
+                                  policy_id=policy_ids["policy"])]
 
     def demonstration(self, task: Task) -> str:
         return str(task.info["answer"])
@@ -227,7 +225,7 @@ class SingleTurnMathEnv(Env):
         return out
 
 
-class WordProblemEnv(SingleTurnMathEnv):
+class WordProblemEnv(LevelledSplits, SingleTurnMathEnv):
     """Single-turn synthetic word problems (module docstring); reward from `MathGrader`, timeout `grading_timeout_s`.
 
     Example:
@@ -239,19 +237,10 @@ class WordProblemEnv(SingleTurnMathEnv):
 
     def __init__(self, levels: Sequence[int] = (1, 2), n_heldout: int = 512, seed: int = 1234,
                  system_prompt: str | None = None, grading_timeout_s: float = 5.0) -> None:
-        unknown = [lv for lv in levels if lv not in TEMPLATES]
-        if not levels or unknown:
-            raise ValueError(f"levels must be a non-empty subset of {sorted(TEMPLATES)}; got {list(levels)}")
-        if n_heldout < 1:
-            raise ValueError(f"n_heldout must be >= 1, got {n_heldout}")
-        self.levels = tuple(int(lv) for lv in levels)
-        self.n_heldout = n_heldout
-        self.seed = seed
         self.system_prompt = system_prompt
         self.grading_timeout_s = grading_timeout_s
         self.grader = MathGrader(timeout_s=grading_timeout_s)
-        self._heldout = self._draw_heldout()
-        self._heldout_keys = {t.prompt for t in self._heldout}
+        self._init_splits(levels, TEMPLATES, n_heldout, seed)
 
     def _problem(self, rng: random.Random, split: str, index: int) -> Task:
         level = self.levels[index % len(self.levels)]
@@ -262,29 +251,3 @@ class WordProblemEnv(SingleTurnMathEnv):
                     info={"answer": str(answer), "level": level, "template": template.__name__.lstrip("_")},
                     split=split)  # type: ignore[arg-type]
 
-    def _draw_heldout(self) -> list[Task]:
-        rng = random.Random(f"{self.seed}/heldout")
-        tasks: dict[str, Task] = {}
-        for i in itertools.count():
-            if len(tasks) == self.n_heldout:
-                break
-            if i > 100 * self.n_heldout:
-                raise ValueError(f"levels {self.levels} have too few distinct problems for n_heldout="
-                                 f"{self.n_heldout}")
-            t = self._problem(rng, "heldout", i)
-            tasks.setdefault(t.prompt, t)
-        return list(tasks.values())
-
-    def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
-
-    def _train_stream(self) -> Iterator[Task]:
-        rng = random.Random(f"{self.seed}/train")
-        for i in itertools.count():
-            t = self._problem(rng, "train", i)
-            if t.prompt not in self._heldout_keys:
-                yield t

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from astratk.contracts import Engine, Env, GenerationRequest, SamplingParams
-from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.chat import single_turn
 from astratk.envs.code.env import CodeEnv, solution_code
 from astratk.records import Task, Trajectory
 
@@ -96,30 +97,13 @@ class SolverTestGenEnv(Env):
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
         solver, generator = await asyncio.gather(
-            self._turn(engines["solver"], self.messages(task), sampling, 0),
-            self._turn(engines["test_generator"], self.generator_messages(task), sampling, 104729))
-        out = []
-        for role, (prompt, c, text) in (("solver", solver), ("test_generator", generator)):
-            n = len(c.token_ids)
-            metrics = {"completion_tokens": float(n)}
-            if role == "test_generator":
-                metrics["tests_written"] = float(len(parse_asserts(text, self.n_tests)))
-            out.append(Trajectory(task_id=task.task_id, group_id=group_id, policy_id=policy_ids[role], role=role,
-                                  tokens=tuple(prompt) + c.token_ids, n_prompt=len(prompt), loss_mask=(1,) * n,
-                                  behavior_logprobs=c.logprobs, behavior_versions=c.versions,
-                                  finished=c.finish_reason == "stop", text=text, metrics=metrics,
-                                  behavior_topk_ids=c.topk_ids, behavior_topk_logprobs=c.topk_logprobs))
-        return out
-
-    async def _turn(self, engine: Engine, messages: list[dict[str, str]], sampling: SamplingParams, salt: int):
-        tok = engine.tokenizer
-        prompt = encode_chat(tok, messages)
-        params = SamplingParams(temperature=sampling.temperature, max_tokens=sampling.max_tokens,
-                                stop_token_ids=stop_token_ids(tok),
-                                seed=None if sampling.seed is None else sampling.seed + salt,
-                                top_k_logprobs=sampling.top_k_logprobs)
-        [c] = await engine.generate([GenerationRequest(tuple(prompt), params)])
-        return prompt, c, tok.decode(list(c.token_ids), skip_special_tokens=True)
+            single_turn(engines["solver"], self.messages(task), sampling, task=task, group_id=group_id,
+                        policy_id=policy_ids["solver"], role="solver"),
+            single_turn(engines["test_generator"], self.generator_messages(task), sampling, task=task,
+                        group_id=group_id, policy_id=policy_ids["test_generator"], role="test_generator",
+                        seed_salt=104729))
+        written = float(len(parse_asserts(generator.text, self.n_tests)))
+        return [solver, dataclasses.replace(generator, metrics={**generator.metrics, "tests_written": written})]
 
     # ------------------------------------------------------------------------------------------------ score
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:
