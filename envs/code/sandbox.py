@@ -385,9 +385,9 @@ def _kill(proc: subprocess.Popen, uid: int | None) -> None:
         _sweep_uid(uid)
 
 
-def _uid_pids(uid: int) -> list[int]:
-    """Live processes whose real uid is `uid`. Zombies do not count: they hold no resources, and the run's own
-    killed child stays one until we reap it."""
+def _uid_pids(uid: int, zombies: bool = False) -> list[int]:
+    """Processes whose real uid is `uid`. Zombies only with `zombies`: they hold no memory, and the run's own killed
+    child stays one until we reap it, but until their parent reaps them they count against RLIMIT_NPROC."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -395,7 +395,7 @@ def _uid_pids(uid: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/status", "rb") as f:
                 for line in f:
-                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X") and not zombies:
                         break
                     if line.startswith(b"Uid:"):
                         if int(line.split()[1]) == uid:
@@ -420,9 +420,9 @@ def _sweep_uid(uid: int, timeout: float = 5.0) -> None:
     _wait_uid_gone(uid, timeout)
 
 
-def _wait_uid_gone(uid: int, timeout: float = 5.0) -> None:
+def _wait_uid_gone(uid: int, timeout: float = 5.0, zombies: bool = False) -> None:
     end = time.perf_counter() + timeout
-    while _uid_pids(uid) and time.perf_counter() < end:
+    while _uid_pids(uid, zombies) and time.perf_counter() < end:
         time.sleep(0.01)
 
 
@@ -462,6 +462,14 @@ def _uid_lease(base: int, slots: int) -> Iterator[int | None]:
                 with _LEASE_LOCK:
                     _LEASED.discard(uid)
                 continue
+            if _uid_pids(uid, zombies=True):  # leftovers of an earlier run still dying (a namespace's processes
+                _sweep_uid(uid)  # die asynchronously after bwrap exits) would count against this run's process limit
+                _wait_uid_gone(uid, zombies=True)  # killed ones stay zombies until their parent reaps them
+                if _uid_pids(uid, zombies=True):  # not reaped in time: use another uid
+                    os.close(fd)
+                    with _LEASE_LOCK:
+                        _LEASED.discard(uid)
+                    continue
             try:
                 yield uid
             finally:

@@ -91,7 +91,7 @@ def test_fork_bomb_hits_the_process_limit_and_leaves_nothing_behind(mode):
 def test_daemon_that_escapes_the_session_is_killed(mode):
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
     r = sandbox(mode).run(code)
-    assert r.stdout == "parent done\n" and r.wall_s < 5
+    assert r.stdout == "parent done\n" and r.wall_s < 5, r
     host_is_fine()
 
 
@@ -221,3 +221,23 @@ def test_rejects_bad_settings_and_names():
         with pytest.raises(ValueError):
             sb.run("pass", files={bad: "x"})
     assert "process" in repr(sb)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_uids_leftover_processes_are_swept_before_its_next_run(mode):
+    if not ROOT:
+        pytest.skip("uids are only leased as root")
+    uid = UID_BASE + UID_SLOTS - 1  # a one-slot sandbox leases exactly this uid
+    leftovers = [subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[]) for _ in range(16)]
+    reaper = ThreadPoolExecutor(len(leftovers))  # their parent reaps them once killed, as a namespace's reaper would
+    codes = [reaper.submit(p.wait) for p in leftovers]
+    try:
+        box = Sandbox(isolation=mode, uid_base=uid, uid_slots=1, max_procs=16, wall_s=10.0)
+        r = box.run("import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\nprint('forked')\n")
+        assert r.stdout == "forked\n", r  # the 16 leftovers would have used up the process limit
+        assert [c.result(timeout=5) for c in codes] == [-9] * len(leftovers)
+    finally:
+        for p in leftovers:
+            p.kill()
+        reaper.shutdown()
+    host_is_fine()
