@@ -62,7 +62,10 @@ class AstraAccessor:
         stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
         html, png = stem.with_suffix(".html"), stem.with_suffix(".png")
-        hv.save(self.dashboard(), html)
+        # resources="inline": the CDN default leaves an offline page blank ("Bokeh is not defined").
+        # backend="bokeh": the matplotlib extension below becomes the current backend, so a second save() in one
+        # process would otherwise write a PNG over <stem>.png and no HTML (tests/integration/test_dashboard_browser.py).
+        hv.save(self.dashboard(), html, backend="bokeh", resources="inline")
         hv.extension("matplotlib", logo=False)
         hv.save(self.dashboard(), png, backend="matplotlib")
         return {"html": html, "png": png}
