@@ -79,6 +79,9 @@ class TrainerSpec:
     kl_coef: float = 0.0  # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
     kl_estimator: str = "k3"  # k3 (non-negative) or k1 (astratk.training.regularizers)
     entropy_coef: float = 0.0  # > 0: subtract entropy_coef * H(pi) per token (entropy bonus)
+    max_staleness: int | None = None  # this policy's staleness bound; None: dataflow.max_staleness
+    checkpoint_every: int | None = None  # save a Lightning checkpoint (and a matching data-layer snapshot) every k
+    #   steps into <run dir>/checkpoints/<policy>; None: no checkpoints
 
 
 @dataclass
@@ -114,6 +117,17 @@ class RolloutSpec:
 
 
 @dataclass
+class SnapshotSpec:
+    """Where and how often the data layer writes its state (`astratk.dataflow.snapshots`). It also writes one at
+    every trainer checkpoint step (`trainer.checkpoint_every`), which `resume_from` pairs with that checkpoint."""
+
+    url: str | None = None  # fsspec URL; None: <run dir>/datalayer
+    every_steps: int | None = 1  # periodic: when every k-th step's batch is served (the state a replacement actor
+    #   continues from without serving a group twice); None: off
+    keep_last: int = 3  # periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)
+
+
+@dataclass
 class DataflowSpec:
     """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages` documents each)."""
 
@@ -134,6 +148,14 @@ class DataflowSpec:
     order: ServingOrder = field(default_factory=FIFO)  # fifo | edf
     replay: Replay | None = None  # a replay share of every batch (class_path: replay)
     mixing: Mixing | None = None  # per-env shares of every batch, by task.env (class_path: mixing)
+    # multi-policy: a policy's step-k batch is served only once every other policy has version >= k - version_barrier
+    #   (0: lock-step versions, so evaluations pair equal versions); None: policies advance independently
+    version_barrier: int | None = None
+    # the switch for the synchronous deterministic mode (the benchmarks' baseline, and the mode in which resume is
+    #   exact): rollouts for step k start only after version k is published, and a round of tasks is admitted in
+    #   lease order once all of it is in; implies max_staleness 0, needs one rollout worker and publish_every 1
+    synchronous: bool = False
+    snapshot: SnapshotSpec = field(default_factory=SnapshotSpec)
 
 
 @dataclass
@@ -214,6 +236,9 @@ class RunSpec:
     eval: EvalSpec = field(default_factory=EvalSpec)
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     progress: bool = True
+    # continue a previous run from its newest trainer checkpoint (a run directory) or from a given one
+    #   (<run dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that step
+    resume_from: str | None = None
 
     def validate(self) -> RunSpec:
         """Build every plug-in once and check ranges; raise ValueError naming the key and the fix."""
@@ -238,6 +263,8 @@ class RunSpec:
                              f"{r.temperature}); greedy decoding is for evaluation")
         _validate_dataflow(self.dataflow, env)
         _validate_cluster(self.cluster, [p.policy_id for p in self.policies])
+        if self.dataflow.synchronous:
+            _validate_synchronous(self)
         _positive("eval", interval_s=self.eval.interval_s, max_tasks=self.eval.max_tasks)
         _validate_weights(self.weights)
         engine_dtype = self.rollout.engine_args.get("dtype", "float32")
@@ -282,6 +309,12 @@ def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) ->
     if t.kl_coef < 0 or t.entropy_coef < 0:
         raise ValueError(f"{key}.trainer: kl_coef and entropy_coef must be >= 0 (0 = off), got "
                          f"{t.kl_coef}, {t.entropy_coef}")
+    if t.max_staleness is not None and t.max_staleness < 0:
+        raise ValueError(f"{key}.trainer.max_staleness must be >= 0 or null (dataflow.max_staleness), got "
+                         f"{t.max_staleness}")
+    if t.checkpoint_every is not None and t.checkpoint_every < 1:
+        raise ValueError(f"{key}.trainer.checkpoint_every must be >= 1 step or null (no checkpoints), got "
+                         f"{t.checkpoint_every}")
     if t.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
     if t.aggregation not in AGGREGATIONS:
@@ -300,6 +333,15 @@ def _validate_dataflow(d: DataflowSpec, env: Env) -> None:
         get_advantage(d.advantage)
     except ValueError as e:
         raise ValueError(f"dataflow.advantage: {e}") from None
+    if d.version_barrier is not None and d.version_barrier < 0:
+        raise ValueError(f"dataflow.version_barrier must be >= 0 (0 = lock-step) or null (off), got "
+                         f"{d.version_barrier}")
+    sn = d.snapshot
+    if sn.every_steps is not None and sn.every_steps < 1:
+        raise ValueError(f"dataflow.snapshot.every_steps must be >= 1 or null (no periodic snapshots), got "
+                         f"{sn.every_steps}")
+    if sn.keep_last < 1:
+        raise ValueError(f"dataflow.snapshot.keep_last must be >= 1, got {sn.keep_last}")
     if not 0.0 < d.lag_decay <= 1.0:
         raise ValueError(f"dataflow.lag_decay must be in (0, 1] (1 = no decay), got {d.lag_decay}")
     for key, items, kind in (("curators", d.curators, Curator), ("filters", d.filters, GroupFilter)):
@@ -322,6 +364,20 @@ def _validate_dataflow(d: DataflowSpec, env: Env) -> None:
             raise ValueError(f"dataflow.mixing.ratios: env {env.name!r} produces tasks of {sources}; ratios name "
                              f"{sorted(d.mixing.ratios)} (unknown {unknown}, missing {missing}); give one ratio per "
                              "source (mix several envs with env: {class_path: mixture})")
+
+
+def _validate_synchronous(spec: RunSpec) -> None:
+    """What `dataflow.synchronous: true` needs besides itself (max_staleness is then 0 whatever it says)."""
+    c = spec.cluster
+    workers = sum(wc.count for wc in c.pools) if c.pools else c.rollout_workers
+    if workers != 1 or c.autoscale is not None:
+        raise ValueError(f"dataflow.synchronous runs one rollout worker (got {workers} in cluster.rollout_workers/"
+                         f"pools{', and cluster.autoscale' if c.autoscale else ''}); set cluster.rollout_workers: 1 "
+                         "and remove pools/autoscale, or turn synchronous off")
+    for i, p in enumerate(spec.policies):
+        if p.trainer.publish_every != 1:
+            raise ValueError(f"policies[{i}].trainer.publish_every is {p.trainer.publish_every}; dataflow.synchronous "
+                             "trains step k on version k's rollouts, so it must be 1")
 
 
 def _validate_cluster(c: ClusterSpec, policies: list[str]) -> None:

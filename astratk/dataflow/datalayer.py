@@ -16,10 +16,23 @@ Semantics (AstraFlow's, ALGORITHMS §5):
   to the bound is kept); then replay share, order (FIFO / EDF), mixing across envs and lag-decay weights
   (`astratk.dataflow.stages.serving`). A step's batch is assembled once, cached, and sharded
   `groups[rank::world_size]`, so every rank and every retry of the same (policy, step) sees the same groups.
+- Multi-policy: each policy has its own buffer, staleness bound (`trainer.max_staleness`, default
+  `dataflow.max_staleness`) and version stream; with `dataflow.version_barrier` b, a policy's step-k batch is served
+  only once every other policy has published version >= k - b (b = 0: versions move in lock-step, so multi-policy
+  evaluations pair equal versions).
+- Synchronous mode (`dataflow.synchronous`): new tasks are leased in rounds, only when every policy has published
+  the version of every batch served so far (acquisition in lock-step with training); a round's admissions are held
+  until the whole round is in (or dropped after failures), then admitted in lease order. With rollouts seeded per
+  lease and episode (the rollout service does this), the batches a run sees are then a function of the seed alone;
+  staleness is 0.
 - Snapshot: `state_dict()` holds everything above (leases with their remaining time, buffers, cached batches,
   versions, counters, every stage's state, and how many tasks the train stream has yielded: envs' train streams are
-  deterministic, so a restored layer re-creates the stream and skips that many). It pickles; the store format is
-  the snapshot/resume code's business.
+  deterministic, so a restored layer re-creates the stream and skips that many). It pickles. With a snapshot store
+  (`astratk.dataflow.snapshots`) the layer writes it when a policy publishes a trainer-checkpoint version (before any
+  lease of that version: the pair a resumed run needs), when every `snapshot.every_steps`-th batch is served, and on
+  demand.
+  `restore` builds a layer from a snapshot for a resumed run or a replacement actor: leases that were out are
+  re-issued at once (their results, if they ever arrive, went to the lost layer).
 
 Metric keys are `"data/{policy_id}/{name}"` for per-policy counters and `"data/{name}"` for task-level ones; stage
 metrics are `"data/stage/{stage}/{name}"` (curators, filters) and `"data/{policy_id}/stage/{stage}/{name}"` (serving).
@@ -31,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -38,6 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astratk.dataflow.advantages import get_advantage
+from astratk.dataflow.snapshots import SnapshotEntry, SnapshotStore
 from astratk.dataflow.stages.base import Curator, GroupFilter, ServingOrder, Stage
 from astratk.dataflow.stages.filters import ZeroVariance
 from astratk.dataflow.stages.serving import Mixing, Replay, Staleness
@@ -46,7 +61,7 @@ from astratk.records import Group, Task, WeightRef
 if TYPE_CHECKING:  # the spec imports the stage contracts, which import this package: no import cycle at run time
     from astratk.spec import RunSpec
 
-STATE_FORMAT = 1  # bump when state_dict() changes shape
+STATE_FORMAT = 2  # bump when state_dict() changes shape
 
 
 @dataclass(frozen=True)
@@ -94,10 +109,15 @@ class DataLayer:
     True
     """
 
-    def __init__(self, spec: RunSpec, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, spec: RunSpec, clock: Callable[[], float] = time.monotonic,
+                 snapshot_url: str | None = None) -> None:
         self.spec = spec
         self._clock = clock
         d = spec.dataflow
+        self._sync = d.synchronous
+        url = snapshot_url or d.snapshot.url
+        self._snapshots = SnapshotStore(url, d.snapshot.keep_last) if url else None
+        self._checkpoint_every = {p.policy_id: p.trainer.checkpoint_every for p in spec.policies}
         self._tasks = iter(spec.env.tasks("train"))
         self._tasks_drawn = 0  # how far the train stream has been read (the snapshot re-reads it to here)
         self._routes = spec.role_routes()
@@ -110,8 +130,9 @@ class DataLayer:
         if d.filter_zero_variance and not any(isinstance(f, ZeroVariance) for f in filters):
             filters.insert(0, ZeroVariance())
         self._filters: dict[str, GroupFilter] = _named(copy.deepcopy(filters))  # type: ignore[assignment]
-        self._serving = {p.policy_id: _Serving(Staleness(d.max_staleness, d.lag_decay), copy.deepcopy(d.order),
-                                               copy.deepcopy(d.replay), copy.deepcopy(d.mixing))
+        self._serving = {p.policy_id: _Serving(Staleness(_staleness_bound(spec, p.policy_id), d.lag_decay),
+                                               copy.deepcopy(d.order), copy.deepcopy(d.replay),
+                                               copy.deepcopy(d.mixing))
                          for p in spec.policies}
         self._next_lease = 0
         self._outstanding: dict[str, Lease] = {}
@@ -120,6 +141,8 @@ class DataLayer:
         self._buffers: dict[str, deque[Group]] = {p.policy_id: deque() for p in spec.policies}
         self._batches: OrderedDict[tuple[str, int], list[Group]] = OrderedDict()
         self._versions: dict[str, int] = {p.policy_id: 0 for p in spec.policies}
+        self._served: dict[str, int] = {p.policy_id: 0 for p in spec.policies}  # steps whose batch was assembled
+        self._round: dict[str, list[Group]] = {}  # synchronous mode: admissions held until the round is complete
         self._refs: dict[str, WeightRef] = {}
         self._counts: Counter[str] = Counter()
         self._reward_sum: Counter[str] = Counter()
@@ -132,8 +155,11 @@ class DataLayer:
         leasing stops while buffered groups plus leases in flight reach `prefetch_steps` steps' worth for any policy
         (rolling out further ahead only produces samples that go stale)."""
         self._expire()
-        room = min(int(self.spec.dataflow.prefetch_steps * self.spec.policy(pid).trainer.groups_per_step) - len(b)
-                   for pid, b in self._buffers.items()) - len(self._outstanding) - len(self._retry)
+        if self._sync:  # a whole round at once, whatever was asked: chunks, hence engine batches, are then cut
+            room = n = self._round_room()  # from the round the same way in every run (batching moves log-probs)
+        else:
+            room = min(int(self.spec.dataflow.prefetch_steps * self.spec.policy(pid).trainer.groups_per_step) - len(b)
+                       for pid, b in self._buffers.items()) - len(self._outstanding) - len(self._retry)
         n = max(0, min(n, room))
         out: list[Lease] = []
         deadline = self._clock() + self.spec.dataflow.lease_timeout_s
@@ -165,6 +191,29 @@ class DataLayer:
         self._counts["data/leases_issued"] += len(out)
         return out
 
+    def _round_room(self) -> int:
+        """Synchronous mode: retries of the round in progress, else (once every policy has published the version of
+        every batch served) a new round of the largest shortfall of fresh groups over the policies."""
+        if self._outstanding or self._round:
+            return len(self._retry)
+        if self._retry:
+            return len(self._retry)
+        if any(self._versions[pid] < self._served[pid] for pid in self._buffers):
+            return 0  # the trainer has not published the weights of the last batch yet
+        room = 0
+        for pid in self._buffers:
+            short = self._fresh_needed(pid) - len(self._drop_stale(pid))  # not when the trainer happens to poll
+            if short > 0:  # over-lease by the inverse of the share of tasks that kept a group (at most 4x): filters
+                tasks = self._counts["data/tasks_completed"]  # drop groups, and a round per drop would crawl
+                kept = self._counts[f"data/{pid}/groups_admitted"]
+                room = max(room, math.ceil(short * min(4.0, tasks / kept if kept else (4.0 if tasks else 1.0))))
+        return room
+
+    def _fresh_needed(self, policy_id: str) -> int:
+        n = self.spec.policy(policy_id).trainer.groups_per_step
+        replay = self._serving[policy_id].replay
+        return n - (replay.share(n) if replay else 0)
+
     def _curate(self, task: Task) -> str | None:
         """The name of the first curator that refuses `task`, or None when all accept it."""
         version = self._versions.get(self._curated_policy, 0) if self._curated_policy else 0
@@ -192,6 +241,7 @@ class DataLayer:
         if lease.attempt >= self.spec.dataflow.max_task_attempts:
             self._closed.add(lease.lease_id)
             self._counts["data/tasks_dropped_failed"] += 1
+            self._maybe_flush_round()
         else:
             self._retry.append(lease)
 
@@ -205,6 +255,7 @@ class DataLayer:
                 del self._outstanding[lease_id]
                 self._counts[f"data/leases_released_{reason}"] += 1
                 self._requeue(lease)
+        self._maybe_flush_round()
 
     # ------------------------------------------------------------------------------------------- admission
     def admit(self, lease_id: str, groups: Sequence[Group]) -> dict[str, int]:
@@ -215,10 +266,31 @@ class DataLayer:
         self._outstanding.pop(lease_id, None)
         self._closed.add(lease_id)
         self._counts["data/tasks_completed"] += 1
+        if self._sync:
+            self._round[lease_id] = list(groups)
+            return {"admitted": self._maybe_flush_round(), "duplicate": 0}
         admitted = 0
         for group in groups:
             admitted += self._admit_group(group)
         return {"admitted": admitted, "duplicate": 0}
+
+    def admit_many(self, items: Sequence[tuple[str, Sequence[Group]]]) -> dict[str, Any]:
+        """`admit` for several leases in one call (one actor round trip per rollout chunk, not one per lease), plus
+        the policies' versions after admission (the "current" of version-lag metrics)."""
+        outcomes = [self.admit(lease_id, groups) for lease_id, groups in items]
+        return {"outcomes": outcomes, "versions": dict(self._versions)}
+
+    def _maybe_flush_round(self) -> int:
+        """Synchronous mode: once nothing of the round is out or waiting for re-issue, admit its groups in lease
+        order (so buffer order, curator updates and counters do not depend on which rollout finished first)."""
+        if not self._round or self._outstanding or self._retry:
+            return 0
+        admitted = 0
+        for lease_id in sorted(self._round, key=_lease_number):
+            for group in self._round[lease_id]:
+                admitted += self._admit_group(group)
+        self._round.clear()
+        return admitted
 
     def _admit_group(self, group: Group) -> int:
         pid = group.policy_id
@@ -266,6 +338,9 @@ class DataLayer:
         if moved and ref.policy_id == self._curated_policy:
             for curator in self._curators.values():
                 curator.on_version(ref.version)
+        every = self._checkpoint_every.get(ref.policy_id)
+        if moved and every and ref.version % every == 0 and self._snapshots is not None:
+            self.snapshot("checkpoint")  # the trainer checkpoints this step: the matching state, before any lease
 
     def latest(self, policy_id: str) -> WeightRef | None:
         return self._refs.get(policy_id)
@@ -280,24 +355,35 @@ class DataLayer:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         key = (policy_id, step)
         if key not in self._batches:
+            if self._behind_barrier(policy_id, step):
+                self._counts[f"data/{policy_id}/barrier_waits"] += 1
+                return None
+            if self._sync and self._versions[policy_id] < step:
+                return None  # synchronous: step k trains on version k's rollouts
             groups = self._take(policy_id, self.spec.policy(policy_id).trainer.groups_per_step)
             if groups is None:
                 return None
             self._batches[key] = groups
+            self._served[policy_id] = max(self._served[policy_id], step + 1)
             while len(self._batches) > 64 * len(self._buffers):  # keep recent steps for retries only
                 self._batches.popitem(last=False)
+            every = self.spec.dataflow.snapshot.every_steps
+            if self._snapshots is not None and every and (step + 1) % every == 0:
+                self.snapshot("periodic")  # the state with this batch served (and cached for its retries)
         return self._batches[key][rank::world_size]
+
+    def _behind_barrier(self, policy_id: str, step: int) -> bool:
+        barrier = self.spec.dataflow.version_barrier
+        if barrier is None or len(self._versions) < 2:
+            return False
+        return min(v for pid, v in self._versions.items() if pid != policy_id) < step - barrier
 
     def _take(self, policy_id: str, n: int) -> list[Group] | None:
         """Assemble one n-group batch (`astratk.dataflow.stages.serving` gives the order of the steps), or None when
         too few fresh groups are buffered; then nothing changes but stale drops."""
         s = self._serving[policy_id]
         current = self._versions[policy_id]
-        buf = self._buffers[policy_id]
-        fresh = s.staleness.fresh(buf, current)
-        if len(fresh) < len(buf):
-            self._counts[f"data/{policy_id}/groups_dropped_stale"] += len(buf) - len(fresh)
-            self._buffers[policy_id] = deque(fresh)
+        fresh = list(self._drop_stale(policy_id))
         n_fresh = n - (s.replay.share(n) if s.replay else 0)
         if len(fresh) < n_fresh:
             return None
@@ -311,6 +397,15 @@ class DataLayer:
         self._counts[f"data/{policy_id}/groups_served"] += n
         self._counts[f"data/{policy_id}/groups_replayed"] += len(replayed)
         return [self._weighted(g, s.staleness, current) for g in [*replayed, *chosen]]
+
+    def _drop_stale(self, policy_id: str) -> deque[Group]:
+        """Drop (counted) the policy's stale buffered groups; returns the buffer."""
+        buf = self._buffers[policy_id]
+        fresh = self._serving[policy_id].staleness.fresh(buf, self._versions[policy_id])
+        if len(fresh) < len(buf):
+            self._counts[f"data/{policy_id}/groups_dropped_stale"] += len(buf) - len(fresh)
+            buf = self._buffers[policy_id] = deque(fresh)
+        return buf
 
     @staticmethod
     def _weighted(group: Group, staleness: Staleness, current: int) -> Group:
@@ -330,6 +425,7 @@ class DataLayer:
             pid, role, name = k.split("/", 2)
             out[f"data/{pid}/traj/{role}/{name.replace('/', '_')}_mean"] = total / self._traj_counts[k]
         out["data/leases_outstanding"] = float(len(self._outstanding))
+        out["data/round_pending"] = float(len(self._round))
         out["data/leases_waiting_reissue"] = float(len(self._retry))
         for name, st in {**self._curators, **self._filters}.items():
             out.update({f"data/stage/{name}/{k}": v for k, v in st.metrics().items()})
@@ -349,9 +445,18 @@ class DataLayer:
                 "serving": {pid: {k: st.state_dict() for k, st in s.stages().items()}
                             for pid, s in self._serving.items()}}
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue where this layer stands (see the module docstring); picklable."""
+    def state_dict(self, batches_kept: int | None = None) -> dict[str, Any]:
+        """Everything needed to continue where this layer stands (see the module docstring); picklable. With
+        `batches_kept`, only each policy's newest `batches_kept` served batches are included (a retry only ever asks
+        for the current step's)."""
         now = self._clock()
+        batches = list(self._batches.items())
+        if batches_kept is not None:
+            newest: dict[str, list[int]] = {}
+            for pid, step in self._batches:
+                newest.setdefault(pid, []).append(step)
+            keep = {(pid, st) for pid, steps in newest.items() for st in sorted(steps)[-batches_kept:]}
+            batches = [(k, g) for k, g in batches if k in keep]
         return {
             "format": STATE_FORMAT,
             "tasks_drawn": self._tasks_drawn,
@@ -360,8 +465,10 @@ class DataLayer:
             "retry": list(self._retry),
             "closed": sorted(self._closed),
             "buffers": {pid: list(buf) for pid, buf in self._buffers.items()},
-            "batches": [(pid, step, list(groups)) for (pid, step), groups in self._batches.items()],
+            "batches": [(pid, step, list(groups)) for (pid, step), groups in batches],
             "versions": dict(self._versions),
+            "served": dict(self._served),
+            "round": {lid: list(groups) for lid, groups in self._round.items()},
             "refs": dict(self._refs),
             "counts": dict(self._counts),
             "reward_sum": dict(self._reward_sum),
@@ -393,6 +500,8 @@ class DataLayer:
         self._buffers = {pid: deque(groups) for pid, groups in state["buffers"].items()}
         self._batches = OrderedDict(((pid, step), list(groups)) for pid, step, groups in state["batches"])
         self._versions = dict(state["versions"])
+        self._served = dict(state["served"])
+        self._round = {lid: list(groups) for lid, groups in state["round"].items()}
         self._refs = dict(state["refs"])
         self._counts = Counter(state["counts"])
         self._reward_sum = Counter(state["reward_sum"])
@@ -405,6 +514,59 @@ class DataLayer:
         for pid, serving in self._serving.items():
             for name, st in serving.stages().items():
                 st.load_state_dict(stages["serving"][pid][name])
+
+
+    def snapshot(self, kind: str = "on_demand") -> SnapshotEntry:
+        """Write the state to the snapshot store now (`kind`: on_demand, periodic, checkpoint, final)."""
+        if self._snapshots is None:
+            raise RuntimeError("this data layer has no snapshot store; give dataflow.snapshot.url (a run sets "
+                               "<run dir>/datalayer)")
+        start = time.perf_counter()
+        entry = self._snapshots.write(self.state_dict(batches_kept=2), kind=kind, versions=self._versions,
+                                      served=self._served)
+        self._counts[f"data/snapshots_{kind}"] += 1
+        self._counts["data/snapshot_seconds"] += time.perf_counter() - start
+        return entry
+
+    @classmethod
+    def restore(cls, spec: RunSpec, state: dict[str, Any], clock: Callable[[], float] = time.monotonic,
+                snapshot_url: str | None = None) -> DataLayer:
+        """A layer that continues from `state` (a snapshot) in a new process: leases that were out are queued for
+        re-issue at once, keeping their lease ids (so a late admission of the lost layer's work cannot double them
+        here, and synchronous rounds re-create the same rollouts)."""
+        layer = cls(spec, clock, snapshot_url)
+        layer._resume(state)
+        return layer
+
+    def load_snapshot(self, url: str, name: str | None = None) -> dict[str, Any]:
+        """`restore` in place, from snapshot `name` (default: the newest intact one) of the store at `url`: how a
+        fresh data-layer actor takes over. Returns the snapshot's index row."""
+        store = SnapshotStore(url)
+        entry = store.latest() if name is None else next((e for e in store.entries() if e.name == name), None)
+        if entry is None:
+            raise FileNotFoundError(f"no data-layer snapshot {name or ''} in {url}")
+        self._resume(store.read(entry))
+        return dataclasses.asdict(entry)
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
+        out = sorted(self._outstanding.values(), key=lambda lease: _lease_number(lease.lease_id))
+        self._outstanding.clear()
+        for lease in reversed(out):  # ahead of older re-issues, in lease order; re-issue counts the attempt again
+            self._retry.appendleft(dataclasses.replace(lease, attempt=max(0, lease.attempt - 1)))
+        self._counts["data/leases_restored"] += len(out)
+        self._counts["data/restores"] += 1
+
+
+def _lease_number(lease_id: str) -> int:
+    return int(lease_id[1:])
+
+
+def _staleness_bound(spec: RunSpec, policy_id: str) -> int:
+    if spec.dataflow.synchronous:
+        return 0
+    own = spec.policy(policy_id).trainer.max_staleness
+    return spec.dataflow.max_staleness if own is None else own
 
 
 def _same_keys(what: str, saved: dict[str, Any], here: dict[str, Any]) -> None:

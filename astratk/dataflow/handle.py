@@ -2,12 +2,19 @@
 
 Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side polling, so the
 actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods one at a time).
+
+Recovery: the actor dies with its worker ("Worker holding Actor was lost", or "Unable to contact Actor's worker" for a
+call in flight). A handle given `recover` (a callable that
+starts a replacement actor from the newest snapshot and returns it: `astratk.runtime.deploy`) swaps it in and
+retries the call; concurrent callers share one recovery. Pickled copies (inside rollout chains) have no `recover`:
+their calls fail, and the acquisition re-issues that work through its own handle.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from astratk.records import Group
@@ -16,13 +23,16 @@ from astratk.records import Group
 class DataLayerHandle:
     """Wraps a `DataLayer` or a `distributed.Actor` of one; picklable when it wraps an actor."""
 
-    def __init__(self, target: Any, call_timeout_s: float = 60.0) -> None:
+    def __init__(self, target: Any, call_timeout_s: float = 60.0, recover: Callable[[], Any] | None = None) -> None:
         self.target = target
         self.call_timeout_s = call_timeout_s
         self.is_actor = type(target).__name__ == "Actor"
+        self.recover = recover
+        self.recoveries = 0
         # An in-process DataLayer is shared by the trainer, acquisition and admit threads: serialise calls, as the
         # actor does.
         self._lock = threading.Lock()
+        self._recover_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         if not self.is_actor:
@@ -37,12 +47,26 @@ class DataLayerHandle:
         if not self.is_actor:
             with self._lock:
                 return getattr(self.target, method)(*args, **kwargs)
-        future = getattr(self.target, method)(*args, **kwargs)
-        try:
-            return future.result(timeout=timeout)
-        except TimeoutError:
-            raise TimeoutError(f"data layer call {method}() got no answer in {timeout:.0f}s; is the control worker "
-                               "alive? (the data-layer actor dies with its worker)") from None
+        for attempt in (0, 1):
+            target = self.target
+            try:
+                return getattr(target, method)(*args, **kwargs).result(timeout=timeout)
+            except TimeoutError:
+                raise TimeoutError(f"data layer call {method}() got no answer in {timeout:.0f}s; is the control "
+                                   "worker alive? (the data-layer actor dies with its worker)") from None
+            except (RuntimeError, OSError) as e:  # Dask says "Worker holding Actor was lost" (RuntimeError) or,
+                lost = "Actor was lost" in str(e) or "contact Actor's worker" in str(e)  # mid-call, OSError
+                if not lost or self.recover is None or attempt:
+                    raise
+                self._replace(target)
+        raise AssertionError("unreachable")
+
+    def _replace(self, lost: Any) -> None:
+        """Start a replacement for the lost actor `lost`, unless another caller already has."""
+        with self._recover_lock:
+            if self.target is lost:
+                self.target = self.recover()  # type: ignore[misc]
+                self.recoveries += 1
 
     def wait_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1, *,
                    timeout: float = 300.0, poll_s: float = 0.02) -> list[Group]:

@@ -3,7 +3,8 @@
 A service is created lazily by the first rollout task that reaches its process (so a worker that joins mid-run needs
 no setup step) and lives as long as the process. At the start of every task it syncs each engine to the newest
 published weights (pull-based, from the weight store); a joining worker therefore catches up before its first
-generation. It runs `group_size` episodes per task concurrently, so their generate calls share engine batches.
+generation. It runs `group_size` episodes per task concurrently, so their generate calls share engine batches; each
+episode samples with its own seed (`episode_seed`: run seed, lease id, episode index), so rollouts are reproducible.
 
 Extending: engines come from `astratk.registry` by `RolloutSpec.engine`; envs from the run's `env` spec.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -25,6 +27,7 @@ from astratk.contracts import Engine, Env, SamplingParams
 from astratk.dataflow.datalayer import Lease
 from astratk.records import Group, Task, Trajectory
 from astratk.registry import resolve
+from astratk.rollout.lockstep import Lockstep
 from astratk.spec import RunSpec
 from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
@@ -174,19 +177,30 @@ class RolloutService:
         return asyncio.run(self._rollout_all(leases, stamp, slowdown))
 
     async def _rollout_all(self, leases: Sequence[Lease], stamp: dict, slowdown: float) -> list[LeaseResult]:
-        return list(await asyncio.gather(*(self._rollout_lease(lease, stamp, slowdown) for lease in leases)))
+        lock = None
+        if self.spec.dataflow.synchronous:  # engine batches independent of timing (astratk.rollout.lockstep)
+            lock = Lockstep()
+            lock.expect([(lease.lease_id, i) for lease in leases for i in range(self.spec.rollout.group_size)])
+        return list(await asyncio.gather(*(self._rollout_lease(lease, stamp, slowdown, lock) for lease in leases)))
 
-    async def _rollout_lease(self, lease: Lease, stamp: dict, slowdown: float = 1.0) -> LeaseResult:
+    async def _rollout_lease(self, lease: Lease, stamp: dict, slowdown: float = 1.0, lock: Lockstep | None = None
+                             ) -> LeaseResult:
         start = time.perf_counter()
         r = self.spec.rollout
         engines = {role: self.engine(pid) for role, pid in lease.routes.items()}
+        if lock is not None:
+            shared = {id(e): lock.engine(e) for e in engines.values()}  # one wrapper per engine: one batch each
+            engines = {role: shared[id(e)] for role, e in engines.items()}
         # top-K log-probs only when a routed policy's loss needs them (DPPO Top-K): they cost memory per token
         top_k = max(self.spec.policy(pid).loss.needs_topk for pid in lease.routes.values())
         sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, top_k_logprobs=top_k)
-        episodes = await asyncio.gather(*(
-            self.env.rollout(lease.task, engines, sampling, policy_ids=lease.routes,
-                             group_id=f"{lease.lease_id}/{i}")
-            for i in range(r.group_size)))
+        episodes = [self.env.rollout(lease.task, engines,
+                                     dataclasses.replace(sampling, seed=episode_seed(self.spec.seed, lease.lease_id, i)),
+                                     policy_ids=lease.routes, group_id=f"{lease.lease_id}/{i}")
+                    for i in range(r.group_size)]
+        if lock is not None:
+            episodes = [lock.run((lease.lease_id, i), ep) for i, ep in enumerate(episodes)]
+        episodes = await asyncio.gather(*episodes)
         if slowdown > 1.0:  # simulated slower hardware (astratk.runtime.pools): generation takes `slowdown` x as long
             await asyncio.sleep((slowdown - 1.0) * (time.perf_counter() - start))
         groups = _groups_by_role(lease, [t for episode in episodes for t in episode], stamp["service"])
@@ -251,6 +265,14 @@ class RolloutService:
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
                 "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
                 **per_role}
+
+
+def episode_seed(run_seed: int, lease_id: str, episode: int) -> int:
+    """The sampling seed of episode `episode` of a lease: a hash of (run seed, lease id, episode), < 2**62 (envs add
+    small per-turn offsets). A re-issued lease samples the same completions, whichever worker runs it, and a
+    synchronous run's rollouts are a function of the run seed."""
+    digest = hashlib.blake2b(f"{run_seed}/{lease_id}/{episode}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def _groups_by_role(lease: Lease, trajectories: list[Trajectory], service: str) -> tuple[Group, ...]:

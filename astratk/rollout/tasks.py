@@ -24,20 +24,20 @@ def score_task(ctx: RunContext, results: Sequence[LeaseResult]) -> list[LeaseRes
 
 
 def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> dict[str, Any]:
-    """Admit each lease's groups (idempotent by lease id). Returns float totals plus, under "services", what each
-    rollout service produced in this chunk (`astratk.rollout.acquisition.ServiceStats` aggregates them)."""
+    """Admit each lease's groups (idempotent by lease id) in one data-layer call. Returns float totals plus, under
+    "services", what each rollout service produced in this chunk (`astratk.rollout.acquisition.ServiceStats`
+    aggregates them). In synchronous mode a round's groups are admitted when the round completes, so a chunk's
+    "groups_admitted" counts whatever its call completed."""
+    reply = datalayer.call("admit_many", [(res.lease_id, list(res.groups)) for res in results])
+    current: dict[str, int] = reply["versions"]  # "current" for the version lag: the version at admission
     admitted = duplicates = samples = 0
     seconds = 0.0
     services: dict[str, dict[str, Any]] = {}
-    current: dict[str, int] = {}
-    for res in results:
-        out = datalayer.call("admit", res.lease_id, list(res.groups))
+    for res, out in zip(results, reply["outcomes"]):
         admitted += out["admitted"]
         duplicates += out["duplicate"]
         samples += sum(len(g.trajectories) for g in res.groups)
         seconds += res.seconds
-        for pid in {g.policy_id for g in res.groups} - set(current):
-            current[pid] = datalayer.call("version", pid)  # "current" for the version lag: the version at admission
         s = services.setdefault(res.service, {"hardware": res.hardware, "leases": 0.0, "groups_admitted": 0.0,
                                               "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0,
                                               "lags": [], "versions": [], "synced_versions": res.synced_versions})

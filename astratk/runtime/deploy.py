@@ -7,6 +7,7 @@ dask-jobqueue / dask-kubernetes clusters: it needs one worker labelled `control`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from astratk.rollout.service import RunContext
 from astratk.runtime.cluster import wait_for_workers
 from astratk.weights.store import WeightStore
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Deployment:
@@ -26,31 +29,64 @@ class Deployment:
     store: WeightStore
 
     def stop(self) -> None:
+        """Stop acquiring; then the data layer writes a final snapshot (when it has a store), so a later run can
+        continue from exactly here."""
         self.acquisition.stop()
+        try:
+            self.datalayer.call("snapshot", "final", timeout=30)
+        except RuntimeError:  # no snapshot store configured
+            pass
 
 
-def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0) -> Deployment:
-    """Start the data layer actor, publish every policy's version 0, start acquisition. Returns the handles."""
+def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_url: str | None = None,
+           restore: tuple[str, str | None] | None = None) -> Deployment:
+    """Start the data layer actor (writing snapshots to `snapshot_url`; continuing from snapshot `restore` =
+    (store URL, snapshot name or None for the newest) when given), tell it every policy's newest published version,
+    start acquisition. Returns the handles."""
     spec = ctx.spec
     wait_for_workers(client, ["control"], 1, timeout_s)
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
     wait_for_workers(client, need + ["score"], 1, timeout_s)
-    future = client.submit(DataLayer, spec, actor=True, resources={"control": 1}, pure=False)
+    store = WeightStore.from_spec(ctx.store_url, spec.weights)
+
+    def start(restore_from: tuple[str, str | None] | None) -> Any:
+        actor = start_datalayer(client, spec, timeout_s, snapshot_url, restore_from)
+        for p in spec.policies:  # the newest weights (a replacement's snapshot may be a few versions behind)
+            ref = store.latest(p.policy_id)
+            if ref is None:
+                raise ValueError(f"policy {p.policy_id!r} has no published weights in {ctx.store_url}; publish "
+                                 "version 0 before deploying")
+            actor.publish_version(ref).result(timeout=timeout_s)
+        if snapshot_url:
+            actor.snapshot("periodic").result(timeout=timeout_s)  # so a replacement always has a state to start from
+        return actor
+
+    def recover() -> Any:
+        """A replacement actor for a lost one, from the newest snapshot (the control worker's nanny restarts it)."""
+        log.warning("the data-layer actor was lost with its worker; starting a replacement from the newest snapshot "
+                    "in %s", snapshot_url)
+        wait_for_workers(client, ["control"], 1, timeout_s)
+        return start((snapshot_url, None))
+
+    handle = DataLayerHandle(start(restore), recover=recover if snapshot_url else None)
+    acquisition = Acquisition(client, handle, ctx).start()
+    return Deployment(ctx, handle, acquisition, store)
+
+
+def start_datalayer(client: Any, spec: Any, timeout_s: float, snapshot_url: str | None = None,
+                    restore: tuple[str, str | None] | None = None) -> Any:
+    """The data-layer actor on the control worker, restored from a snapshot when `restore` is given."""
+    future = client.submit(DataLayer, spec, snapshot_url=snapshot_url, actor=True, resources={"control": 1},
+                           pure=False)
     try:
         actor = future.result(timeout=timeout_s)
     except TimeoutError:
         raise TimeoutError(f"the data-layer actor did not start on the control worker within {timeout_s:.0f}s"
                            ) from None
-    handle = DataLayerHandle(actor)
-    store = WeightStore.from_spec(ctx.store_url, spec.weights)
-    for p in spec.policies:
-        ref = store.latest(p.policy_id)
-        if ref is None:
-            raise ValueError(f"policy {p.policy_id!r} has no published weights in {ctx.store_url}; publish version "
-                             "0 before deploying")
-        handle.call("publish_version", ref)
-    acquisition = Acquisition(client, handle, ctx).start()
-    return Deployment(ctx, handle, acquisition, store)
+    if restore is not None:
+        url, name = restore
+        actor.load_snapshot(url, name).result(timeout=timeout_s)
+    return actor
 
 
 def publish_initial(store: WeightStore, policy_id: str, model_path: str) -> None:

@@ -10,6 +10,7 @@ import datetime
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,46 @@ def _quiet_lightning() -> None:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")  # torch 2.13 + Lightning 2.6, every fit (TRAPS)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: a trainer checkpoint, the weight store it published to, and the data-layer
+    snapshot written when the checkpoint's version was published."""
+
+    checkpoint: Path
+    step: int
+    store_url: str
+    snapshot_url: str
+    snapshot_name: str
+
+
+def find_resume_point(spec: RunSpec, policy_id: str) -> ResumePoint:
+    """The newest checkpoint of `policy_id` under `spec.resume_from` (a run directory) and its matching snapshot;
+    errors name what is missing."""
+    import yaml
+
+    from astratk.dataflow.snapshots import SnapshotStore
+
+    given = Path(spec.resume_from).expanduser().resolve()
+    if given.is_file():  # a checkpoint: <run dir>/checkpoints/<policy>/step=K.ckpt
+        ckpts, old = [given], given.parents[2]
+        if not given.name.startswith("step=") or given.parent.name != policy_id:
+            raise ValueError(f"resume_from: {given} is not a checkpoint of policy {policy_id!r} written by a run "
+                             f"(expected <run dir>/checkpoints/{policy_id}/step=K.ckpt)")
+    else:
+        old = given
+        ckpts = sorted((old / "checkpoints" / policy_id).glob("step=*.ckpt"),
+                       key=lambda p: int(p.stem.split("=")[1]))
+    if not ckpts:
+        raise FileNotFoundError(f"resume_from: no checkpoints in {old / 'checkpoints' / policy_id}; the run must set "
+                                "policies[*].trainer.checkpoint_every")
+    step = int(ckpts[-1].stem.split("=")[1])
+    saved = yaml.safe_load((old / "config.yaml").read_text()) if (old / "config.yaml").exists() else {}
+    store_url = (saved.get("weights") or {}).get("url") or str(old / "weights")
+    snapshot_url = ((saved.get("dataflow") or {}).get("snapshot") or {}).get("url") or str(old / "datalayer")
+    entry = SnapshotStore(snapshot_url).at_checkpoint(policy_id, step)
+    return ResumePoint(ckpts[-1], step, store_url, snapshot_url, entry.name)
 
 
 def _quiet_dask() -> None:
@@ -70,8 +111,14 @@ class Session:
         self.model_path = str(ensure_model(self.policy.model, spec.env, log=self.print))
         self.print(f"model for {pid!r}: {self.model_path} ({time.perf_counter() - t:.0f}s)")
         torch.set_num_threads(spec.cluster.torch_threads)
-        store_url = spec.weights.url or str(self.run_dir / "weights")
-        publish_initial(WeightStore(store_url), pid, self.model_path)
+        self.resume = find_resume_point(spec, pid) if spec.resume_from else None
+        store_url = self.resume.store_url if self.resume else spec.weights.url or str(self.run_dir / "weights")
+        if self.resume:
+            WeightStore(store_url).rollback(pid, self.resume.step)
+            self.print(f"resuming from {self.resume.checkpoint} (step {self.resume.step}) and data-layer snapshot "
+                       f"{self.resume.snapshot_url}/{self.resume.snapshot_name}")
+        else:
+            publish_initial(WeightStore(store_url), pid, self.model_path)
         t = time.perf_counter()
         if spec.cluster.scheduler_address:
             self.client = Client(spec.cluster.scheduler_address, timeout=spec.cluster.startup_timeout_s)
@@ -88,7 +135,10 @@ class Session:
         self._closers.insert(0, self.client.close)
         ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=spec, model_paths={pid: self.model_path},
                          store_url=store_url)
-        self.deployment = deploy(ctx, self.client, timeout_s=spec.cluster.startup_timeout_s)
+        self.snapshot_url = spec.dataflow.snapshot.url or str(self.run_dir / "datalayer")
+        restore = (self.resume.snapshot_url, self.resume.snapshot_name) if self.resume else None
+        self.deployment = deploy(ctx, self.client, timeout_s=spec.cluster.startup_timeout_s,
+                                 snapshot_url=self.snapshot_url, restore=restore)
         self.deployment.store.keep_last = spec.weights.keep_last  # only the publisher prunes
         self._closers.insert(0, self.deployment.stop)
         self.print(f"cluster up with {len(self.client.scheduler_info()['workers'])} workers "
@@ -112,14 +162,18 @@ class Session:
     # ------------------------------------------------------------------------------------------------- train
     def train(self) -> dict[str, Any]:
         pid = self.policy.policy_id
-        self.print("evaluating the warm-start model (v0) on the held-out split...")
-        base = self.evaluator.evaluate(0)
+        v0 = self.resume.step if self.resume else 0
+        self.print(f"evaluating {'the warm-start model' if not v0 else 'the resumed policy'} (v{v0}) on the held-out "
+                   "split...")
+        base = self.evaluator.evaluate(v0)
         trainer, module, stream, recorder = self._build_trainer()
+        self.stream = stream
         t0 = time.time()
         self.evaluator.train_t0 = t0
         self.evaluator.start()
         try:
-            trainer.fit(module, datamodule=self._datamodule)
+            trainer.fit(module, datamodule=self._datamodule,
+                        ckpt_path=str(self.resume.checkpoint) if self.resume else None)
         finally:
             train_time = time.time() - t0
             self.evaluator.stop()
@@ -166,12 +220,18 @@ class Session:
         recorder = StepRecorder(stream, extra=self._autoscale_feed(stream) if self.autoscale else None)
         callbacks = [WeightPublisher(self.deployment.store, self.deployment.datalayer, p.policy_id,
                                      ts.publish_every), recorder]
+        if ts.checkpoint_every:  # the data layer snapshots itself when this step's version is published
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=self.run_dir / "checkpoints" / p.policy_id,
+                                             filename="{step}", every_n_train_steps=ts.checkpoint_every,
+                                             save_top_k=-1, save_last=False, enable_version_counter=False))
         if spec.progress:
             callbacks.append(ProgressPrinter(recorder, self._status, printer=self.print))
         max_time = datetime.timedelta(seconds=ts.max_time_s) if ts.max_time_s else None
         trainer = pl.Trainer(max_steps=ts.max_steps, max_time=max_time, accelerator="cpu", devices=1,
                              logger=CSVLogger(self.run_dir, name="lightning"), callbacks=callbacks,
-                             gradient_clip_val=ts.grad_clip or None, enable_checkpointing=False,
+                             gradient_clip_val=ts.grad_clip or None, enable_checkpointing=bool(ts.checkpoint_every),
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                              log_every_n_steps=1)
         return trainer, module, stream, recorder

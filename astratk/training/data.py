@@ -41,6 +41,7 @@ class GroupStream(IterableDataset):
         self.max_steps = max_steps
         self.timeout_s = timeout_s
         self.rank, self.world_size = rank, world_size
+        self.group_ids: list[str] = []  # every group this trainer trained on, in order (exactly-once checks)
         self.last_wait_s = 0.0  # time the trainer waited for the latest batch (the data-wait metric)
         self.total_wait_s = 0.0
 
@@ -57,6 +58,7 @@ class GroupStream(IterableDataset):
                                            timeout=self.timeout_s)
         self.last_wait_s = time.perf_counter() - start
         self.total_wait_s += self.last_wait_s
+        self.group_ids.extend(g.group_id for g in groups)
         return collate(groups, self.pad_id)
 
 
@@ -69,7 +71,21 @@ class RolloutDataModule(pl.LightningDataModule):
         return DataLoader(self.stream, batch_size=None, num_workers=0, collate_fn=_identity)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return self.stream.resolve(batch) if isinstance(batch, StepTicket) else batch
+        if not isinstance(batch, StepTicket):
+            return batch
+        trainer = self.trainer
+        if trainer is not None and batch.step != trainer.global_step:  # one batch per optimiser step
+            raise RuntimeError(f"data stream is at step {batch.step} but the trainer at step {trainer.global_step}; "
+                               "a checkpoint restore did not reach the data module")
+        return self.stream.resolve(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in trainer checkpoints: the step whose batch the stream asks for next."""
+        trainer = self.trainer
+        return {"next_step": trainer.global_step if trainer is not None else self.stream.start_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.start_step = int(state["next_step"])
 
 
 def _identity(item: Any) -> Any:

@@ -153,6 +153,15 @@ class PolicyModule(pl.LightningModule):
         self.log_dict({prefix + k: v for k, v in metrics.items()}, batch_size=len(batch), on_step=True,
                       on_epoch=False, prog_bar=False)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["astratk"] = {"policy_id": self.policy_id, "policy_version": self.policy_version}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("astratk", {})
+        if saved.get("policy_id", self.policy_id) != self.policy_id:
+            raise ValueError(f"checkpoint is of policy {saved['policy_id']!r}, not {self.policy_id!r}")
+        self.policy_version = int(saved.get("policy_version", checkpoint.get("global_step", 0)))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
                                  betas=(0.9, 0.99))

@@ -175,6 +175,22 @@ class WeightStore:
             self._kept[policy_id] = (version, entry.primary.checksum, tensors)
         return entry.primary
 
+    def rollback(self, policy_id: str, version: int) -> WeightRef:
+        """Make `version` the newest again, deleting every later one: a run resumed from the checkpoint of
+        `version` must not let rollout services pull weights its crashed predecessor published after it."""
+        index = self._read_index(policy_id)
+        if version not in index:
+            raise KeyError(f"policy {policy_id!r} version {version} is not in {self.url} (versions "
+                           f"{_ranges(sorted(index))}); it may have been pruned (weights.keep_last)")
+        gone = {v: e for v, e in index.items() if v > version}
+        index = {v: e for v, e in index.items() if v <= version}
+        primary = index[version].primary
+        self._write_index(policy_id, index)
+        self._atomic_write(self._path(policy_id, "latest.json"), json.dumps(dataclasses.asdict(primary)).encode())
+        self._remove(policy_id, gone, index)
+        self._kept.pop(policy_id, None)
+        return primary
+
     def _copy_out(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Contiguous CPU tensors in the publish dtype. Copies are forced when deltas are on: the kept state must
         not alias the live parameters (an in-place optimiser step would change the base of the next delta)."""
