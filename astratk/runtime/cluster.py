@@ -1,17 +1,25 @@
-"""Local Dask clusters whose workers carry role resources (DESIGN §3 "Runtime"), and counting labelled workers.
+"""Dask clusters for a run: a local one whose workers carry role resources, or a connection to an existing scheduler
+(DESIGN §3 "Runtime"), and counting labelled workers.
 
-`LocalCluster(resources=...)` gives every worker the same resources (TRAPS), so the local cluster is a `SpecCluster`
-built from a per-worker spec (`astratk.runtime.pools`): one `control` worker that hosts the data-layer actor (scaling
-never retires it) and the run's worker classes, by default `rollout_workers` workers labelled `rollout_<policy>` for
-every policy plus `score`. Each process gets one torch thread by default (2-core laptops oversubscribe otherwise).
-Everything binds to 127.0.0.1.
+Local: `LocalCluster(resources=...)` gives every worker the same resources (TRAPS), so the local cluster is a
+`SpecCluster` built from a per-worker spec (`astratk.runtime.pools`): one `control` worker that hosts the data-layer
+actor (scaling never retires it) and the run's worker classes, by default `rollout_workers` workers labelled
+`rollout_<policy>` for every policy plus `score`. Each process gets one torch thread by default (2-core laptops
+oversubscribe otherwise). Everything binds to 127.0.0.1.
+
+Existing scheduler (`cluster.scheduler_address`, docs/cluster.md): `connect(spec)` attaches with `cluster.tls`'s
+certificates when given (`security(spec)`). With `cluster.tls` null, `distributed.Client` builds its `Security` from
+Dask's config (`distributed.comm.tls.ca-file`, `.client.cert`, `.client.key`, e.g. from
+`DASK_DISTRIBUTED__COMM__TLS__CA_FILE` / `__CLIENT__CERT` / `__CLIENT__KEY`, read when dask is first imported) or from
+a `distributed.client.security-loader`; a `tls://` address with neither fails at validation with the fix.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from astratk.spec import RunSpec
+from astratk.spec import ClusterSpec, RunSpec
 
 
 def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
@@ -41,3 +49,81 @@ def wait_for_workers(client: Any, resources: list[str], n: int, timeout: float) 
             raise TimeoutError(f"waited {timeout:.0f}s for {n} worker(s) with resources {resources}; {have} "
                                f"joined. Start workers with `dask worker ... --resources \"{resources[0]}=1\"`")
         time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------ an existing scheduler
+def check_tls(c: ClusterSpec) -> None:
+    """Cross-field TLS rules; raise ValueError naming the key and the fix. `cluster.tls` needs a `tls://` address and
+    existing files; a `tls://` address needs `cluster.tls` or TLS client credentials in Dask's config."""
+    address = c.scheduler_address or ""
+    if c.tls is None:
+        if address.startswith("tls://") and not dask_config_has_tls():
+            raise ValueError(
+                f"cluster.scheduler_address {address!r} is a TLS scheduler but this client has no certificates: set "
+                "cluster.tls: {ca_file: ca.pem, cert: client.pem, key: client.key} (PEM files signed by the cluster's "
+                "CA), or Dask's DASK_DISTRIBUTED__COMM__TLS__CA_FILE, __CLIENT__CERT and __CLIENT__KEY before "
+                "starting (docs/cluster.md)")
+        return
+    if not address.startswith("tls://"):
+        got = "null (a local cluster, which has no TLS)" if not address else repr(address)
+        raise ValueError(f"cluster.tls is set but cluster.scheduler_address is {got}: give the tls://HOST:PORT address "
+                         "that `dask scheduler --protocol tls ...` prints (`Scheduler at: tls://...`), or remove "
+                         "cluster.tls")
+    for name in ("ca_file", "cert", "key"):
+        path = getattr(c.tls, name)
+        if path is None and name == "key":  # Dask reads a key appended to the certificate file
+            continue
+        if not path or not Path(path).expanduser().is_file():
+            what = {"ca_file": "the CA certificate that signed the scheduler's and workers' certificates",
+                    "cert": "this client's certificate, signed by that CA",
+                    "key": "the private key of cluster.tls.cert (or null when it is appended to the certificate)"}
+            raise ValueError(f"cluster.tls.{name}: no file {path!r}; give the PEM file of {what[name]}")
+
+
+def dask_config_has_tls() -> bool:
+    """Whether `distributed.Client` would find TLS client credentials in Dask's config on its own: a CA and a client
+    certificate (what `Security` needs to build an SSL context), or a security loader."""
+    import dask
+
+    def get(key: str) -> Any:
+        return dask.config.get(key, default=None)
+
+    tls = bool(get("distributed.comm.tls.ca-file") and get("distributed.comm.tls.client.cert"))
+    return tls or bool(get("distributed.client.security-loader"))
+
+
+def security(spec: RunSpec) -> Any:
+    """The `distributed.Security` for `cluster.tls` (client role, encryption required), or None, which lets
+    `distributed.Client` use Dask's config or security loader (see the module docstring)."""
+    c = spec.cluster
+    check_tls(c)
+    if c.tls is None:
+        return None
+    from distributed import Security
+
+    def path(p: str | None) -> str | None:
+        return None if p is None else str(Path(p).expanduser())
+
+    return Security(require_encryption=True, tls_ca_file=path(c.tls.ca_file), tls_client_cert=path(c.tls.cert),
+                    tls_client_key=path(c.tls.key))
+
+
+def connect(spec: RunSpec) -> Any:
+    """A `distributed.Client` attached to `cluster.scheduler_address` (with `security(spec)`), waiting at most
+    `cluster.startup_timeout_s`; the error names the address and what to check."""
+    from distributed import Client
+
+    c = spec.cluster
+    if not c.scheduler_address:
+        raise ValueError("cluster.scheduler_address is null: there is no scheduler to connect to (a run then starts a "
+                         "local cluster); give the address that `dask scheduler` prints")
+    sec = security(spec)
+    try:
+        return Client(c.scheduler_address, security=sec, timeout=c.startup_timeout_s)
+    except OSError as e:  # distributed's comm errors, SSL errors and its connect timeout are all OSErrors
+        hint = "is `dask scheduler` running there, and reachable from this machine?"
+        if c.scheduler_address.startswith("tls://"):
+            hint += (" Over TLS, the scheduler's, the workers' and this client's certificates (cluster.tls or Dask's "
+                     "TLS config) must be signed by one CA")
+        raise ConnectionError(f"could not connect to the Dask scheduler at {c.scheduler_address} within "
+                              f"{c.startup_timeout_s:.0f}s (cluster.startup_timeout_s): {e}; {hint}") from e
