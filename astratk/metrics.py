@@ -1,14 +1,23 @@
-"""Run metrics as one `xarray.Dataset` (DESIGN §5): training steps, held-out evaluations and data-layer counters.
+"""Run metrics as one `xarray.Dataset` (DESIGN §5): training steps, held-out evaluations, data-layer counters, drops
+and rollout-service throughput.
 
-Layout (every variable has a `policy` dimension, so multi-policy runs share one dataset):
-- dims `(policy, step)`: per-step trainer metrics, e.g. `train_reward_mean`, `train_loss`, `loss_ratio_mean`,
-  `train_time_s` (seconds since training started), `train_data_wait_s`;
-- dims `(policy, eval)`: `eval_accuracy`, `eval_version`, `eval_train_time_s` (training time at which the evaluated
-  weights were published);
-- dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, ...
-- dims `(service,)` (one per rollout worker that produced data), with coordinate `service_hardware` (its worker
-  class): `service_tasks`, `service_tasks_per_s`, `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims
-  `(hardware,)`: the same per class (`hardware_tasks_per_s` is the mean per-service speed of the class);
+Layout (per-policy variables have a `policy` dimension, so multi-policy runs share one dataset):
+- dims `(policy, step)`: per-step trainer metrics, e.g. `train_reward_mean` (and `train_reward_mean_<role>` in a
+  workflow), `train_loss`, `train_staleness_mean` / `_max` (versions between the trained weights and the tokens'
+  behaviour weights), `train_time_s` (seconds since training started), `train_data_wait_s`, and the loss's
+  diagnostics `loss_*` (DRPO: `loss_tv_mean` / `_max` = |pi - mu|, `loss_w_mean` / `_min` / `_max` = its gradient
+  weight), corrections' `train_correction_<name>_*`;
+- dims `(policy, eval)`: `eval_accuracy` (and `eval_accuracy_<role>`), `eval_version`, `eval_train_time_s` (training
+  time at which the evaluated weights were published);
+- dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, `data_groups_admitted`...;
+- dims `(drop,)`: `dropped`, every counted drop with coordinates `drop_stage` (curation, rollout, admission, serving:
+  the data path's order), `drop_reason` (`zero_variance`, `stale`, a curator's name...), `drop_unit` (tasks, groups,
+  trajectories) and `drop_policy` ("" for task-level drops, which precede any policy);
+- dims `(service,)` (one per rollout service, i.e. per rollout worker that produced data), with coordinate
+  `service_hardware` (its worker class / hardware label): `service_tasks`, `service_tasks_per_s`,
+  `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims `(hardware,)`: the same per class
+  (`hardware_tasks_per_s` is the mean per-service speed of the class, `hardware_services` how many services it has);
+- attrs: the run's summary and the run-level counters (`counter_data_leases_issued`, ...).
 Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{name}"`.
 
 `import astratk.viz` registers the `.astra` accessor (dashboards) on these datasets.
@@ -17,6 +26,7 @@ Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{n
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +74,7 @@ def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[
     coords: dict[str, Any] = {}
     if services:
         variables.update(_services(services, coords))
+    variables.update(_drops(counters, policies, coords))
     scalars: dict[str, np.ndarray] = {}
     run_level: dict[str, float] = {}
     for key, value in counters.items():
@@ -88,7 +99,7 @@ def _services(services: Mapping[str, Mapping[str, Any]], coords: dict[str, Any])
     classes = sorted(set(hardware))
     coords.update(service=names, service_hardware=("service", hardware), hardware=classes)
     keys = sorted({k for row in services.values() for k, v in row.items() if isinstance(v, (int, float))})
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"hardware_services": (("hardware",), np.array([float(hardware.count(c)) for c in classes]))}
     for k in keys:
         col = np.array([float(services[n].get(k, np.nan)) for n in names])
         out[f"service_{k}"] = (("service",), col)
@@ -97,6 +108,40 @@ def _services(services: Mapping[str, Mapping[str, Any]], coords: dict[str, Any])
         per_class = [float(reduce(col[[h == c for h in hardware]])) for c in classes]
         out[f"hardware_{k}"] = (("hardware",), np.array(per_class))
     return out
+
+
+# Where each counted drop happens on the data path (DESIGN §4), read from the data layer's counter keys
+# (`astratk.dataflow.datalayer`): (key, stage, unit); the first full match wins.
+_DROP_KEYS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple((re.compile(k), stage, unit) for k, stage, unit in (
+    (r"data/tasks_skipped_(?P<reason>.+)", "curation", "tasks"),  # refused by curator <reason> before rollout
+    (r"data/tasks_dropped_(?P<reason>.+)", "rollout", "tasks"),  # `failed`: max_task_attempts failed rollouts
+    (r"data/(?P<policy>[^/]+)/trajectories_(?P<reason>.+)_dropped", "admission", "trajectories"),  # `unscored`
+    (r"data/(?P<policy>[^/]+)/groups_dropped_(?P<reason>stale)", "serving", "groups"),  # too old when served
+    (r"data/(?P<policy>[^/]+)/groups_dropped_(?P<reason>.+)", "admission", "groups"),  # `empty`, filters' reasons
+))
+DROP_STAGES = ("curation", "rollout", "admission", "serving")
+
+
+def _drop_of(key: str, policies: Sequence[str]) -> tuple[str, str, str, str] | None:
+    """'data/main/groups_dropped_zero_variance' -> ('admission', 'zero_variance', 'groups', 'main'); None when the
+    key counts no drop. Task-level drops have policy ''."""
+    for pattern, stage, unit in _DROP_KEYS:
+        if m := pattern.fullmatch(key):
+            policy = m.groupdict().get("policy") or ""
+            return (stage, m["reason"], unit, policy) if not policy or policy in policies else None
+    return None
+
+
+def _drops(counters: Mapping[str, float], policies: Sequence[str], coords: dict[str, Any]) -> dict[str, Any]:
+    """Every counted drop (STYLE rule 14) as one long variable `dropped` (dim `drop`), ordered along the data path."""
+    rows = sorted(((*d, float(v)) for k, v in counters.items() if (d := _drop_of(k, policies)) is not None),
+                  key=lambda r: (DROP_STAGES.index(r[0]), r[3], r[1]))
+    if not rows:
+        return {}
+    stage, reason, unit, policy, count = (list(col) for col in zip(*rows))
+    coords.update(drop=np.arange(len(rows)), drop_stage=("drop", stage), drop_reason=("drop", reason),
+                  drop_unit=("drop", unit), drop_policy=("drop", policy))
+    return {"dropped": (("drop",), np.array(count))}
 
 
 def _attr(v: Any) -> Any:
