@@ -1,13 +1,19 @@
 """`astratk` command line. `astratk run --config tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
 
-Subcommands: `run` (a whole local job); `export RUN_DIR OUT_DIR [--policy main] [--version N] [--overwrite]` (a
-trained policy as an HF model directory, `astratk.models.export`; `astratk export --help` lists the other sources).
-`deploy`, `train fit` and `status` (cluster jobs) arrive with issue 7.
+Subcommands:
+  run     a whole job: local cluster (or `cluster.scheduler_address`), data layer, rollouts, one trainer per policy
+  deploy  the data layer, acquisition and evaluation on an existing Dask scheduler (`--name`), for trainer jobs
+  train   `astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR [--trainer.*]`:
+          a LightningCLI trainer job for one policy, attached to a deployment (`astratk train fit --help`)
+  status  deployments on a scheduler and their data layers' state (`astratk status --scheduler ADDR`)
+  export  `astratk export RUN_DIR OUT_DIR [--policy main] [--version N] [--overwrite]`: a trained policy as an HF
+          model directory (`astratk.models.export`; `astratk export --help` lists the other sources)
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,9 +26,89 @@ def main(argv: list[str] | None = None) -> int:
         return _run(rest)
     if command == "export":
         return _export(rest)
-    print(f"astratk: unknown command {command!r}; choose one of ['export', 'run'] (see `astratk --help`)",
-          file=sys.stderr)
+    if command == "deploy":
+        return _deploy(rest)
+    if command == "train":
+        return _train(rest)
+    if command == "status":
+        return _status(rest)
+    print(f"astratk: unknown command {command!r}; choose one of ['deploy', 'export', 'run', 'status', 'train'] "
+          "(see `astratk --help`)", file=sys.stderr)
     return 2
+
+
+def _parse_spec(argv: list[str], command: str) -> Any:
+    """The RunSpec of `argv`, or None after printing the error (which names the offending key)."""
+    from astratk.config import parse
+
+    try:
+        return parse(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"astratk {command}: {e}", file=sys.stderr)
+        return None
+
+
+def _deploy(argv: list[str]) -> int:
+    """`astratk deploy --config RUN.yaml --name NAME [--cluster.scheduler_address ADDR] [overrides]`."""
+
+    name = None
+    if "--name" in argv:
+        i = argv.index("--name")
+        if i + 1 >= len(argv):
+            print("astratk deploy: --name needs a value", file=sys.stderr)
+            return 2
+        name, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(_deploy.__doc__)
+        return 0
+    spec = _parse_spec(argv, "deploy")
+    if spec is None:
+        return 2
+    if not spec.cluster.scheduler_address:
+        print("astratk deploy: cluster.scheduler_address is required (a running `dask scheduler`); "
+              "for a self-contained local job use `astratk run`", file=sys.stderr)
+        return 2
+    from astratk.runtime.run import Run
+
+    Run(spec).serve(name or spec.name)
+    return 0
+
+
+def _train(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR "
+              "[--trainer.* ...] (`astratk train fit --help` lists everything)")
+        return 0
+    from astratk.training.deployed import train_cli
+
+    try:
+        train_cli(argv)
+    except SystemExit as e:  # argparse (--help, --print_config, usage errors) exits; main returns its code
+        return int(e.code or 0)
+    return 0
+
+
+def _status(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="astratk status", description="Deployments on a Dask scheduler and the "
+                                "state of their data layers.")
+    p.add_argument("--scheduler", required=True, help="the scheduler's address (tcp://host:8786)")
+    p.add_argument("--name", default=None, help="only this deployment")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the scheduler and each answer")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    from astratk.runtime.status import status_lines
+
+    try:
+        for line in status_lines(args.scheduler, args.name, args.timeout):
+            print(line)
+    except (OSError, TimeoutError) as e:
+        print(f"astratk status: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _run(argv: list[str]) -> int:
@@ -41,10 +127,8 @@ def _run(argv: list[str]) -> int:
             return 0
         parser().print_help()
         return 0
-    try:
-        spec = parse(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"astratk run: {e}", file=sys.stderr)
+    spec = _parse_spec(argv, "run")
+    if spec is None:
         return 2
     from astratk.runtime.run import Run
 

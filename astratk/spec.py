@@ -82,6 +82,12 @@ class TrainerSpec:
     max_staleness: int | None = None  # this policy's staleness bound; None: dataflow.max_staleness
     checkpoint_every: int | None = None  # save a Lightning checkpoint (and a matching data-layer snapshot) every k
     #   steps into <run dir>/checkpoints/<policy>; None: no checkpoints
+    # Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x longest row) and
+    # accumulate their gradients: activation memory scales with it, the update is the same. None: one forward.
+    micro_batch_tokens: int | None = None
+    # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv, tensorboard,
+    # wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's metrics.nc does not need them).
+    loggers: list[str] = field(default_factory=lambda: ["csv"])
 
 
 @dataclass
@@ -189,6 +195,16 @@ class AutoscaleSpec:
 
 
 @dataclass
+class TLSSpec:
+    """This process's TLS credentials for a `tls://` scheduler (`astratk.runtime.cluster.security`; docs/cluster.md).
+    PEM files on the machine that runs the driver; workers get theirs from `dask worker --tls-*` flags."""
+
+    ca_file: str  # the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it
+    cert: str  # this client's certificate, signed by that CA (the scheduler and workers require one)
+    key: str | None = None  # its private key; None: the key is appended to `cert`
+
+
+@dataclass
 class ClusterSpec:
     scheduler_address: str | None = None  # None: start a local cluster
     processes: bool = True  # local cluster of worker processes; False: threads in this process (debuggers)
@@ -199,6 +215,8 @@ class ClusterSpec:
     torch_threads: int = 1  # per process; 2-core machines oversubscribe otherwise
     dashboard: bool = False
     startup_timeout_s: float = 120.0
+    # TLS to an existing `tls://` scheduler; None: Dask's own config (DASK_DISTRIBUTED__COMM__TLS__*), if any
+    tls: TLSSpec | None = None
 
 
 @dataclass
@@ -221,6 +239,8 @@ class EvalSpec:
     interval_s: float = 15.0  # wall-clock interval between held-out evaluations during training
     max_tasks: int = 512  # held-out tasks evaluated each time (greedy decoding)
     timeout_s: float = 300.0
+    every_versions: int | None = None  # also evaluate whenever the policy has published this many versions more
+    pass_k: int = 0  # > 0: also report pass@k (k samples per task at the rollout temperature)
 
 
 @dataclass
@@ -266,6 +286,9 @@ class RunSpec:
         if self.dataflow.synchronous:
             _validate_synchronous(self)
         _positive("eval", interval_s=self.eval.interval_s, max_tasks=self.eval.max_tasks)
+        if self.eval.pass_k < 0 or (self.eval.every_versions is not None and self.eval.every_versions < 1):
+            raise ValueError(f"eval: pass_k must be >= 0 (0 = off) and every_versions >= 1 or null, got "
+                             f"{self.eval.pass_k}, {self.eval.every_versions}")
         _validate_weights(self.weights)
         engine_dtype = self.rollout.engine_args.get("dtype", "float32")
         if self.weights.publish_dtype is not None and self.weights.publish_dtype != engine_dtype:
@@ -288,6 +311,7 @@ class RunSpec:
 def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:
     """One policy's checks; records the roles it plays in `seen` (a role may be played by one policy only)."""
     from astratk.training.aggregation import AGGREGATIONS
+    from astratk.training.loggers import check_loggers
 
     p.model.validate(f"{key}.model")
     if not isinstance(p.loss, PolicyLoss):
@@ -315,11 +339,15 @@ def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) ->
     if t.checkpoint_every is not None and t.checkpoint_every < 1:
         raise ValueError(f"{key}.trainer.checkpoint_every must be >= 1 step or null (no checkpoints), got "
                          f"{t.checkpoint_every}")
+    if t.micro_batch_tokens is not None and t.micro_batch_tokens < 1:
+        raise ValueError(f"{key}.trainer.micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or null "
+                         f"(the whole step's batch in one forward), got {t.micro_batch_tokens}")
     if t.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
     if t.aggregation not in AGGREGATIONS:
         raise ValueError(f"{key}.trainer.aggregation: unknown {t.aggregation!r}; choose one of "
                          f"{sorted(AGGREGATIONS)}")
+    check_loggers(t.loggers, f"{key}.trainer.loggers")
 
 
 def _validate_dataflow(d: DataflowSpec, env: Env) -> None:
@@ -383,6 +411,10 @@ def _validate_synchronous(spec: RunSpec) -> None:
 def _validate_cluster(c: ClusterSpec, policies: list[str]) -> None:
     _positive("cluster", rollout_workers=c.rollout_workers, threads_per_worker=c.threads_per_worker,
               torch_threads=c.torch_threads)
+    if c.tls is not None or (c.scheduler_address or "").startswith("tls://"):
+        from astratk.runtime.cluster import check_tls  # the one TLS check; connect() runs it too
+
+        check_tls(c)
     names: set[str] = set()
     for i, wc in enumerate(c.pools):
         key = f"cluster.pools[{i}]"

@@ -19,7 +19,8 @@ bisection over the float32 bit patterns of m2 (non-negative floats order like th
 theta with sum(m2 <= theta) <= tau * count(m2 <= theta); 31 steps pin it exactly, each one all-reduce of two numbers.
 Its kept set {m2 <= theta} equals the sort-based definition whenever the values at the cut are distinct; tokens tied
 at the cut are kept or dropped together. m2 is evaluated in float32, its sums in float64. "The batch" is what one
-loss call sees, summed over ranks: with gradient accumulation each micro-batch gets its own cut. Default tau = 0.01
+loss call sees, summed over ranks: `PolicyModule` calls it once on the whole step's batch even when it
+micro-batches (`trainer.micro_batch_tokens`), so the cut is the whole batch's. Default tau = 0.01
 (math, code); AstraFlow uses 0.004 for agent tasks.
 """
 

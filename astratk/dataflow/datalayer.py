@@ -5,6 +5,8 @@ synchronous, short and non-blocking, because Dask runs an actor's synchronous me
 waiting for data happens client-side (`DataLayerHandle.wait_batch`), never inside the actor.
 
 Semantics (AstraFlow's, ALGORITHMS §5):
+- Back-pressure: tasks are leased while any policy's buffered groups plus leases in flight are below
+  `prefetch_steps` steps' worth; a policy that is not consuming keeps at most 4x that (oldest dropped, counted).
 - A lease is one task to roll out, with a deadline. A lease not admitted by its deadline is re-issued with the same
   lease id (so a slow original and its re-issue cannot both be admitted: admission is idempotent by lease id).
   A task whose rollout failed `max_task_attempts` times is dropped (counted).
@@ -24,7 +26,8 @@ Semantics (AstraFlow's, ALGORITHMS §5):
   the version of every batch served so far (acquisition in lock-step with training); a round's admissions are held
   until the whole round is in (or dropped after failures), then admitted in lease order. With rollouts seeded per
   lease and episode (the rollout service does this), the batches a run sees are then a function of the seed alone;
-  staleness is 0.
+  staleness is 0. With several policies, a round's batches are trained one policy after the other, in the spec's
+  order (generate, train A, train B: the synchronous baseline of AstraFlow's comparison).
 - Snapshot: `state_dict()` holds everything above (leases with their remaining time, buffers, cached batches,
   versions, counters, every stage's state, and how many tasks the train stream has yielded: envs' train streams are
   deterministic, so a restored layer re-creates the stream and skips that many). It pickles. With a snapshot store
@@ -143,6 +146,7 @@ class DataLayer:
         self._versions: dict[str, int] = {p.policy_id: 0 for p in spec.policies}
         self._served: dict[str, int] = {p.policy_id: 0 for p in spec.policies}  # steps whose batch was assembled
         self._round: dict[str, list[Group]] = {}  # synchronous mode: admissions held until the round is complete
+        self._paused = False  # a paused run serves no new batch (cached ones still, for retries)
         self._refs: dict[str, WeightRef] = {}
         self._counts: Counter[str] = Counter()
         self._reward_sum: Counter[str] = Counter()
@@ -152,14 +156,15 @@ class DataLayer:
     # --------------------------------------------------------------------------------------------- leasing
     def lease(self, n: int) -> list[Lease]:
         """Up to `n` task leases: expired leases first, then new tasks. Fewer (or none) under back-pressure:
-        leasing stops while buffered groups plus leases in flight reach `prefetch_steps` steps' worth for any policy
+        leasing stops once buffered groups plus leases in flight reach `prefetch_steps` steps' worth for every policy
         (rolling out further ahead only produces samples that go stale)."""
         self._expire()
         if self._sync:  # a whole round at once, whatever was asked: chunks, hence engine batches, are then cut
             room = n = self._round_room()  # from the round the same way in every run (batching moves log-probs)
-        else:
-            room = min(int(self.spec.dataflow.prefetch_steps * self.spec.policy(pid).trainer.groups_per_step) - len(b)
-                       for pid, b in self._buffers.items()) - len(self._outstanding) - len(self._retry)
+        else:  # while any policy wants data: one whose trainer waits (slower, or held by the version barrier) must
+            #   not starve the others, which would deadlock the barrier; its surplus is capped instead
+            room = max(self._prefetch_target(pid) - len(self._cap_buffer(pid)) for pid in self._buffers) \
+                - len(self._outstanding) - len(self._retry)
         n = max(0, min(n, room))
         out: list[Lease] = []
         deadline = self._clock() + self.spec.dataflow.lease_timeout_s
@@ -190,6 +195,20 @@ class DataLayer:
             self._outstanding[lease.lease_id] = lease
         self._counts["data/leases_issued"] += len(out)
         return out
+
+    def _prefetch_target(self, policy_id: str) -> int:
+        return int(self.spec.dataflow.prefetch_steps * self.spec.policy(policy_id).trainer.groups_per_step)
+
+    def _cap_buffer(self, policy_id: str) -> deque[Group]:
+        """Drop (counted as `groups_dropped_overflow`) the oldest groups beyond 4x the prefetch target: a policy
+        whose trainer is not taking data keeps its freshest groups, and memory stays bounded."""
+        buf = self._drop_stale(policy_id)
+        cap = 4 * max(1, self._prefetch_target(policy_id))
+        if len(buf) > cap:
+            self._counts[f"data/{policy_id}/groups_dropped_overflow"] += len(buf) - cap
+            for _ in range(len(buf) - cap):
+                buf.popleft()
+        return buf
 
     def _round_room(self) -> int:
         """Synchronous mode: retries of the round in progress, else (once every policy has published the version of
@@ -355,11 +374,13 @@ class DataLayer:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         key = (policy_id, step)
         if key not in self._batches:
+            if self._paused:
+                return None
             if self._behind_barrier(policy_id, step):
                 self._counts[f"data/{policy_id}/barrier_waits"] += 1
                 return None
-            if self._sync and self._versions[policy_id] < step:
-                return None  # synchronous: step k trains on version k's rollouts
+            if self._sync and (self._versions[policy_id] < step or self._earlier_policy_training(policy_id, step)):
+                return None  # synchronous: step k trains on version k's rollouts, one policy after the other
             groups = self._take(policy_id, self.spec.policy(policy_id).trainer.groups_per_step)
             if groups is None:
                 return None
@@ -371,6 +392,24 @@ class DataLayer:
             if self._snapshots is not None and every and (step + 1) % every == 0:
                 self.snapshot("periodic")  # the state with this batch served (and cached for its retries)
         return self._batches[key][rank::world_size]
+
+    def _earlier_policy_training(self, policy_id: str, step: int) -> bool:
+        """Synchronous mode trains the policies of a round one after the other, in `spec.policies` order (the classic
+        loop: generate, train A, train B): a policy's step-k batch waits until every earlier policy has published
+        version k + 1."""
+        for pid in self._versions:
+            if pid == policy_id:
+                return False
+            if self._versions[pid] < step + 1:
+                return True
+        return False
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause (or resume) serving new batches: trainers wait, and their batch timeout stops while paused."""
+        self._paused = bool(paused)
+
+    def is_paused(self) -> bool:
+        return self._paused
 
     def _behind_barrier(self, policy_id: str, step: int) -> bool:
         barrier = self.spec.dataflow.version_barrier

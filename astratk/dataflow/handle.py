@@ -74,10 +74,16 @@ class DataLayerHandle:
         data layer's counters, to show where samples went)."""
         start = time.monotonic()
         delay = poll_s
+        checked = start
         while True:
             groups = self.call("next_batch", policy_id, step, rank, world_size)
             if groups is not None:
                 return groups
+            now = time.monotonic()
+            if now - checked > 1.0:  # a paused run is not a stalled one: the timeout restarts after the pause
+                checked = now
+                if self.call("is_paused"):
+                    start = now
             waited = time.monotonic() - start
             if waited > timeout:
                 status = self.call("status")

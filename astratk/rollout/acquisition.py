@@ -40,6 +40,7 @@ class Acquisition:
         self.services = ServiceStats()
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astratk-acquisition", daemon=True)
         self._inflight: dict[Any, list[tuple[str, int]]] = {}  # admit future -> its (lease id, attempt) pairs
         self._policies = sorted({p.policy_id for p in self.spec.policies})
@@ -56,6 +57,17 @@ class Acquisition:
         for future in list(self._inflight):
             future.cancel()
         self._inflight.clear()
+
+    def pause(self) -> None:
+        """Lease nothing new; chunks in flight still finish and are admitted."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused.is_set()
 
     @property
     def alive(self) -> bool:
@@ -90,7 +102,7 @@ class Acquisition:
         while not self._stop.is_set():
             try:
                 target = self.spec.rollout.max_inflight_chunks * max(1, self._rollout_workers())
-                if len(self._inflight) < target:
+                if len(self._inflight) < target and not self._paused.is_set():
                     self._submit(target - len(self._inflight))
                 if not self._inflight:
                     time.sleep(0.2)  # back-pressure: the buffer is full

@@ -233,38 +233,69 @@ class RolloutService:
 
     # --------------------------------------------------------------------------------------------- evaluate
     def evaluate(self, policy_id: str, version: int | None, max_tasks: int) -> dict[str, float]:
-        """Greedy held-out accuracy of `policy_id` at `version` (default newest), on a separate eval engine so
-        rollouts keep their own version."""
+        """Greedy held-out accuracy of `policy_id` at `version` (default newest) playing every role it plays (and,
+        when it plays them all, the whole env); see `evaluate_versions`."""
+        return self.evaluate_versions({policy_id: version}, max_tasks)
+
+    def evaluate_versions(self, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
+                          ) -> dict[str, float]:
+        """Held-out evaluation with each policy of `versions` at its version (None: newest), on separate eval
+        engines so rollouts keep their own versions. Roles are routed as in the run (`spec.role_routes()`); a role
+        whose policy is not in `versions` is played by the first one given (a single-policy evaluation of a
+        workflow). Reports greedy `accuracy` (the first role's), `accuracy_<role>`, `accuracy_env_<env>` for a
+        mixture, `pass_at_<k>` (k samples at the rollout temperature; a task passes if any scores >= 1) when
+        `pass_k` > 0, and `version_<policy>` for every policy evaluated."""
         start = time.perf_counter()
-        version = self.sync(policy_id, "eval", version)
+        synced = {pid: self.sync(pid, "eval", v) for pid, v in versions.items()}
+        first = next(iter(versions))
+        run_routes = self.spec.role_routes()
+        routes = {role: run_routes[role] if run_routes.get(role) in versions else first for role in self.env.roles}
+        engines = {role: self.engine(pid, "eval") for role, pid in routes.items()}
         tasks = list(self.env.tasks("heldout"))[:max_tasks]
-        engine = self.engine(policy_id, "eval")
-        routes = {role: policy_id for role in self.env.roles}
-        sampling = SamplingParams(temperature=0.0, max_tokens=self.spec.rollout.max_new_tokens)
+        greedy = SamplingParams(temperature=0.0, max_tokens=self.spec.rollout.max_new_tokens)
 
-        async def one(task: Task) -> list[Trajectory]:
-            return await self.env.rollout(task, {r: engine for r in routes}, sampling, policy_ids=routes,
-                                          group_id=f"eval/{task.task_id}")
+        async def one(task: Task, sampling: SamplingParams, tag: str) -> list[Trajectory]:
+            return await self.env.rollout(task, engines, sampling, policy_ids=routes, group_id=f"eval/{task.task_id}/{tag}")
 
-        async def run_all() -> list[list[Trajectory]]:
-            return list(await asyncio.gather(*(one(t) for t in tasks)))
+        async def run_all() -> tuple[list[list[Trajectory]], list[list[list[Trajectory]]]]:
+            greedy_eps = asyncio.gather(*(one(t, greedy, "g") for t in tasks))
+            sampled = asyncio.gather(*(asyncio.gather(*(
+                one(t, SamplingParams(temperature=self.spec.rollout.temperature,
+                                      max_tokens=self.spec.rollout.max_new_tokens,
+                                      seed=episode_seed(self.spec.seed, f"eval/{t.task_id}", i)), f"s{i}")
+                for i in range(pass_k))) for t in (tasks if pass_k > 0 else [])))
+            return list(await greedy_eps), list(await sampled)
 
-        episodes = asyncio.run(run_all())
+        episodes, sampled = asyncio.run(run_all())
         by_role: dict[str, list[float]] = {role: [] for role in self.env.roles}
+        by_env: dict[str, list[float]] = {}
         for task, trajs in zip(tasks, episodes):
             scores = self.env.score(task, trajs)
             for role in self.env.roles:  # an unscorable episode counts as 0 (evaluation must not drop tasks)
-                mine = [s for s, t in zip(scores, trajs) if t.role == role and s is not None]
+                mine = [sc for sc, t in zip(scores, trajs) if t.role == role and sc is not None]
                 by_role[role].append(sum(mine) / len(mine) if mine else 0.0)
-        rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (solver's)
+            by_env.setdefault(task.env, []).append(by_role[self.env.roles[0]][-1])
+        out: dict[str, float] = {}
+        if pass_k > 0:
+            solver, passed = self.env.roles[0], 0
+            for task, per_task in zip(tasks, sampled):  # one episode is scored at a time, as above
+                passed += any(sc is not None and sc >= 1.0 for ep in per_task
+                              for sc, t in zip(self.env.score(task, ep), ep) if t.role == solver)
+            out[f"pass_at_{pass_k}"] = passed / max(1, len(tasks))
+        rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (the solver's)
+        version = synced[first]
         try:
-            published_at = self.store.ref(policy_id, version).published_at
+            published_at = self.store.ref(first, version).published_at
         except KeyError:  # pruned in the instant since the load: the time is unknown, the accuracy still stands
             published_at = float("nan")
-        per_role = {f"accuracy_{role}": sum(v) / max(1, len(v)) for role, v in by_role.items()} if len(by_role) > 1 else {}
+        if len(by_role) > 1:
+            out.update({f"accuracy_{role}": sum(v) / max(1, len(v)) for role, v in by_role.items()})
+        if len(by_env) > 1:
+            out.update({f"accuracy_env_{env}": sum(v) / max(1, len(v)) for env, v in by_env.items()})
+        out.update({f"version_{pid}": float(v) for pid, v in synced.items()})
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
                 "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
-                **per_role}
+                **out}
 
 
 def episode_seed(run_seed: int, lease_id: str, episode: int) -> int:

@@ -55,5 +55,6 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> di
             "samples": float(samples), "rollout_seconds": seconds, "services": services}
 
 
-def evaluate_task(ctx: RunContext, policy_id: str, version: int | None, max_tasks: int) -> dict[str, float]:
-    return get_service(ctx).evaluate(policy_id, version, max_tasks)
+def evaluate_task(ctx: RunContext, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
+                  ) -> dict[str, float]:
+    return get_service(ctx).evaluate_versions(versions, max_tasks, pass_k)

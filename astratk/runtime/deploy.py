@@ -8,6 +8,7 @@ dask-jobqueue / dask-kubernetes clusters: it needs one worker labelled `control`
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from astratk.dataflow.datalayer import DataLayer
 from astratk.dataflow.handle import DataLayerHandle
 from astratk.rollout.acquisition import Acquisition
 from astratk.rollout.service import RunContext
+from astratk.runtime import registry
 from astratk.runtime.cluster import wait_for_workers
 from astratk.weights.store import WeightStore
 
@@ -27,22 +29,38 @@ class Deployment:
     datalayer: DataLayerHandle
     acquisition: Acquisition
     store: WeightStore
+    name: str | None = None
+    client: Any = None
+
+    def pause(self) -> None:
+        """Stop leasing new tasks; chunks in flight finish and are admitted (nothing is lost)."""
+        self.acquisition.pause()
+
+    def resume(self) -> None:
+        self.acquisition.resume()
 
     def stop(self) -> None:
         """Stop acquiring; then the data layer writes a final snapshot (when it has a store), so a later run can
         continue from exactly here."""
+        self.datalayer.recover = None  # from here on a lost actor is shutdown, not a failure to repair
         self.acquisition.stop()
         try:
             self.datalayer.call("snapshot", "final", timeout=30)
         except RuntimeError:  # no snapshot store configured
             pass
+        if self.name and self.client is not None:
+            try:
+                registry.unpublish(self.client, self.name)
+            except Exception:  # noqa: BLE001, S110 - the scheduler may already be gone at teardown
+                pass
 
 
 def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_url: str | None = None,
-           restore: tuple[str, str | None] | None = None) -> Deployment:
+           restore: tuple[str, str | None] | None = None, name: str | None = None) -> Deployment:
     """Start the data layer actor (writing snapshots to `snapshot_url`; continuing from snapshot `restore` =
     (store URL, snapshot name or None for the newest) when given), tell it every policy's newest published version,
-    start acquisition. Returns the handles."""
+    start acquisition. With `name`, publish the deployment on the scheduler so trainer processes can attach
+    (`astratk.runtime.registry`). Returns the handles."""
     spec = ctx.spec
     wait_for_workers(client, ["control"], 1, timeout_s)
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
@@ -59,6 +77,8 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
             actor.publish_version(ref).result(timeout=timeout_s)
         if snapshot_url:
             actor.snapshot("periodic").result(timeout=timeout_s)  # so a replacement always has a state to start from
+        if name:
+            registry.publish(client, registry.DeploymentInfo(name, ctx, actor, snapshot_url, time.time()))
         return actor
 
     def recover() -> Any:
@@ -70,7 +90,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
 
     handle = DataLayerHandle(start(restore), recover=recover if snapshot_url else None)
     acquisition = Acquisition(client, handle, ctx).start()
-    return Deployment(ctx, handle, acquisition, store)
+    return Deployment(ctx, handle, acquisition, store, name, client)
 
 
 def start_datalayer(client: Any, spec: Any, timeout_s: float, snapshot_url: str | None = None,

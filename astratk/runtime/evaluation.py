@@ -17,10 +17,16 @@ from astratk.weights.store import WeightStore
 
 
 class Evaluator:
-    def __init__(self, client: Any, ctx: RunContext, policy_id: str, store: WeightStore) -> None:
+    """Evaluates `policy_ids` together (each at its own version, roles routed as in the run): one policy in a
+    single-policy run, every policy of a workflow in a multi-policy run. With `dataflow.version_barrier` set, a
+    periodic evaluation pairs versions no further apart than the barrier allows (0: equal versions), the newest such
+    set; without it, each policy's newest. Records carry `version` (the first policy's) and `version_<policy>`."""
+
+    def __init__(self, client: Any, ctx: RunContext, policy_id: str | list[str], store: WeightStore) -> None:
         self.client = client
         self.ctx = ctx
-        self.policy_id = policy_id
+        self.policy_ids = [policy_id] if isinstance(policy_id, str) else list(policy_id)
+        self.policy_id = self.policy_ids[0]
         self.store = store
         self.espec = ctx.spec.eval
         self.records: list[dict[str, float]] = []
@@ -30,19 +36,22 @@ class Evaluator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def evaluate(self, version: int | None = None) -> dict[str, float]:
-        """Evaluate `version` now, blocking; the record is kept and returned. `None` evaluates whatever version is
-        newest when the task starts on its worker (it may queue behind a rollout chunk meanwhile, and pinning a
-        version at submission could see it pruned from the store by then)."""
-        future = self.client.submit(evaluate_task, self.ctx, self.policy_id, version, self.espec.max_tasks,
-                                    resources={f"rollout_{self.policy_id}": 1}, priority=100, pure=False)
+    def evaluate(self, version: int | dict[str, int | None] | None = None) -> dict[str, float]:
+        """Evaluate now, blocking; the record is kept and returned. `version`: one version for every policy, a
+        {policy: version} mapping, or None for whatever version is newest when the task starts on its worker (it may
+        queue behind a rollout chunk meanwhile, and pinning a version at submission could see it pruned from the
+        store by then)."""
+        versions = version if isinstance(version, dict) else dict.fromkeys(self.policy_ids, version)
+        resources = {f"rollout_{p}": 1 for p in self.policy_ids}
+        future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k,
+                                    resources=resources, priority=100, pure=False)
         try:
             out = future.result(timeout=self.espec.timeout_s)
         except TimeoutError:
             future.cancel()
-            which = "the newest version" if version is None else f"v{version}"
-            raise TimeoutError(f"held-out evaluation of policy {self.policy_id!r} {which} took more than "
-                               f"{self.espec.timeout_s:.0f}s (eval.timeout_s)") from None
+            which = ", ".join(f"{p} {'newest' if v is None else f'v{v}'}" for p, v in versions.items())
+            raise TimeoutError(f"held-out evaluation of {which} took more than {self.espec.timeout_s:.0f}s "
+                               "(eval.timeout_s)") from None
         t0 = self.train_t0
         record = {**out, "evaluated_at": time.time(),
                   "train_time_s": (out["published_at"] - t0) if t0 is not None else float("nan")}
@@ -62,15 +71,57 @@ class Evaluator:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def due_versions(self) -> dict[str, int] | None:
+        """The versions the next periodic evaluation should use, or None when nothing is published yet."""
+        latest = {}
+        for pid in self.policy_ids:
+            ref = self.store.latest(pid)
+            if ref is None:
+                return None
+            latest[pid] = ref.version
+        barrier = self.ctx.spec.dataflow.version_barrier
+        if barrier is not None and len(latest) > 1:  # no further apart than the barrier: the trailing policy + b
+            low = min(latest.values())
+            latest = {pid: min(v, low + barrier) for pid, v in latest.items()}
+        return latest
+
     def _loop(self) -> None:
-        last = max((int(r["version"]) for r in self.records), default=-1)
-        while not self._stop.wait(self.espec.interval_s):
-            ref = self.store.latest(self.policy_id)
-            if ref is None or ref.version == last:
+        last = {pid: max((int(r.get(f"version_{pid}", r["version"])) for r in self.records), default=-1)
+                for pid in self.policy_ids}
+        every = self.espec.every_versions
+        last_time = time.monotonic()
+        while not self._stop.wait(0.5):
+            due = self.due_versions()
+            if due is None or due == last:
                 continue
+            by_time = time.monotonic() - last_time >= self.espec.interval_s
+            by_version = every is not None and max(due[p] - last[p] for p in due) >= every
+            if not (by_time or by_version):
+                continue
+            last_time = time.monotonic()
             try:
-                last = int(self.evaluate(None)["version"])
+                record = self.evaluate(due if len(due) > 1 or every is not None else None)
+                last = {pid: int(record.get(f"version_{pid}", record["version"])) for pid in self.policy_ids}
             except Exception as e:  # noqa: BLE001 - a failed periodic eval is reported, and the next interval tries again
                 with self._lock:
-                    self.records.append({"version": float(ref.version), "accuracy": float("nan"), "error": 1.0})
-                print(f"held-out evaluation of v{ref.version} failed: {e!r}")
+                    self.records.append({"version": float(due[self.policy_id]), "accuracy": float("nan"),
+                                         "error": 1.0, "evaluated_at": time.time(), "train_time_s": float("nan")})
+                last = due
+                print(f"held-out evaluation of {due} failed: {e!r}")
+
+
+def per_policy(records: list[dict[str, float]], spec: Any) -> dict[str, list[dict[str, float]]]:
+    """A multi-policy evaluation's records as each policy's rows: `version` = that policy's version, `accuracy` =
+    the mean accuracy of the roles it plays (the first role's when it plays them all)."""
+    roles = spec.env.roles
+    out: dict[str, list[dict[str, float]]] = {}
+    for p in spec.policies:
+        rows = []
+        for r in records:
+            if r.get("error"):
+                continue
+            mine = [r[f"accuracy_{role}"] for role in p.roles if f"accuracy_{role}" in r]
+            acc = sum(mine) / len(mine) if mine and len(p.roles) < len(roles) else r.get("accuracy", float("nan"))
+            rows.append({**r, "version": float(r.get(f"version_{p.policy_id}", r["version"])), "accuracy": acc})
+        out[p.policy_id] = sorted(rows, key=lambda x: (x["version"], x["evaluated_at"]))
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -51,10 +52,18 @@ class RunResult:
 
 
 class Run:
+    """A run handle: `start()` runs to completion; `start(block=False)` returns at once and the run goes on in a
+    background thread, with `pause()`, `resume()`, `stop()` (finish the current step, then wrap up as usual),
+    `wait()`, `status()` and a live `_repr_html_` for notebooks."""
+
     def __init__(self, spec: RunSpec, printer: Callable[[str], None] = print) -> None:
         self.spec = spec.validate()
         self.print = printer
         self.result: RunResult | None = None
+        self.session: Any = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
 
     @classmethod
     def from_config(cls, path: str | Path, *overrides: str, printer: Callable[[str], None] = print) -> Run:
@@ -63,11 +72,35 @@ class Run:
         return cls(load_spec(path, list(overrides)), printer=printer)
 
     def __repr__(self) -> str:
-        state = "finished" if self.result else "not started"
-        return f"Run({self.spec.name!r}, policies={[p.policy_id for p in self.spec.policies]}, {state})"
+        return f"Run({self.spec.name!r}, policies={[p.policy_id for p in self.spec.policies]}, {self.state})"
 
-    def start(self) -> RunResult:
-        """Run to completion (blocking) and return where the metrics and plots are."""
+    @property
+    def state(self) -> str:
+        if self.result is not None:
+            return "finished"
+        if self.error is not None:
+            return "failed"
+        return self.session.state if self.session is not None else "not started"
+
+    def start(self, block: bool = True) -> RunResult | Run:
+        """Run to completion and return where the metrics and plots are; with `block=False`, start in the
+        background and return this handle (`wait()` gives the result)."""
+        if self._thread is not None or self.result is not None:
+            raise RuntimeError(f"run {self.spec.name!r} was already started; make a new Run to train again")
+        if block:
+            return self._run()
+        self._thread = threading.Thread(target=self._background, name="astratk-run", daemon=True)
+        self._thread.start()
+        return self
+
+    def _background(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - kept for wait() and the status display
+            self.error = e
+            self._ready.set()
+
+    def _run(self, serve_as: str | None = None) -> RunResult:
         from astratk.runtime.session import Session
 
         spec = self.spec
@@ -78,11 +111,102 @@ class Run:
 
         (run_dir / "config.yaml").write_text(dump_spec(spec))
         wall0 = time.time()
-        with Session(spec, run_dir, self.print) as session:
-            summary = session.train()
+        try:
+            with Session(spec, run_dir, self.print, deployment_name=serve_as) as session:
+                self.session = session
+                self._ready.set()
+                summary = session.serve() if serve_as else session.train()
+        finally:
+            self._ready.set()
         summary["wall_time_s"] = time.time() - wall0
         self.result = self._finish(run_dir, session, summary)
         return self.result
+
+    def serve(self, name: str) -> RunResult:
+        """`astratk deploy`: serve the run's deployment under `name` for trainer jobs that attach to it (blocking;
+        see `Session.serve`)."""
+        return self._run(serve_as=name)
+
+    def _live(self, what: str) -> Any:
+        if not self._ready.wait(timeout=600) or self.session is None or not hasattr(self.session, "deployment"):
+            raise RuntimeError(f"cannot {what}: the run is {self.state}"
+                               + (f" ({self.error!r})" if self.error else ""))
+        return self.session
+
+    def pause(self) -> None:
+        """Stop leasing tasks and serving batches; rollouts in flight are admitted, nothing is lost."""
+        self._live("pause").pause()
+
+    def resume(self) -> None:
+        self._live("resume").resume()
+
+    def stop(self) -> None:
+        """Ask every trainer to finish its current step and stop; the run then evaluates and writes its outputs."""
+        session = self._live("stop")
+        if session.state == "paused":
+            session.resume()
+        session.request_stop()
+
+    def wait(self, timeout: float | None = None) -> RunResult:
+        if self._thread is None:
+            raise RuntimeError("wait(): the run was not started with start(block=False)")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"run {self.spec.name!r} still {self.state} after {timeout:.0f}s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def metrics(self) -> Any:
+        """The finished run's metrics (xarray.Dataset with the `.astra` dashboards)."""
+        if self.result is None:
+            raise RuntimeError(f"metrics(): the run is {self.state}; they are written when it finishes "
+                               "(`wait()`), or use status() meanwhile")
+        return self.result.metrics()
+
+    def status(self) -> dict[str, Any]:
+        """Live numbers: state, per-policy version/steps/last reward, last held-out accuracy, buffer."""
+        out: dict[str, Any] = {"state": self.state}
+        session = self.session
+        if session is None or not hasattr(session, "deployment") or self.result is not None:
+            if self.result is not None:
+                out.update({k: v for k, v in self.result.summary.items() if isinstance(v, (int, float, str))})
+            return out
+        try:
+            m = session.deployment.datalayer.call("metrics", timeout=10)
+        except Exception as e:  # noqa: BLE001 - a status display must not raise
+            return {**out, "error": repr(e)}
+        for p in self.spec.policies:
+            k = f"data/{p.policy_id}/"
+            out[p.policy_id] = {"version": int(m.get(k + "version", 0)), "max_steps": p.trainer.max_steps,
+                                "buffer": int(m.get(k + "buffer_groups", 0)),
+                                "groups_served": int(m.get(k + "groups_served", 0)),
+                                "reward_received": m.get(k + "reward_mean_received", float("nan"))}
+        evals = [r for r in session.evaluator.records if r.get("accuracy") == r.get("accuracy")]
+        if evals:
+            out["accuracy"] = evals[-1]["accuracy"]
+            out["accuracy_version"] = int(evals[-1]["version"])
+        return out
+
+    def _repr_html_(self) -> str:
+        import html
+
+        st = self.status()
+        rows = []
+        for p in self.spec.policies:
+            d = st.get(p.policy_id)
+            if isinstance(d, dict):
+                done = min(1.0, d["version"] / max(1, d["max_steps"]))
+                bar = (f"<div style='background:#eee;width:160px'><div style='background:#4a90d9;height:8px;"
+                       f"width:{160 * done:.0f}px'></div></div>")
+                rows.append(f"<tr><td>{html.escape(p.policy_id)}</td><td>v{d['version']}/{d['max_steps']}</td>"
+                            f"<td>{bar}</td><td>buffer {d['buffer']}</td><td>reward {d['reward_received']:.3f}</td>"
+                            "</tr>")
+        acc = (f"held-out accuracy {st['accuracy']:.3f} at v{st['accuracy_version']}" if "accuracy" in st else "")
+        extra = self.result._repr_html_() if self.result is not None else ""
+        return (f"<b>astratk run</b> <code>{html.escape(self.spec.name)}</code>: <i>{html.escape(st['state'])}</i> "
+                f"{acc}<table>{''.join(rows)}</table>{extra}")
 
     def _finish(self, run_dir: Path, session: Any, summary: dict[str, Any]) -> RunResult:
         import astratk.viz  # noqa: F401  (registers the .astra accessor)

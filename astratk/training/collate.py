@@ -60,3 +60,78 @@ def _advantages(group: Group) -> Sequence[float]:
         raise ValueError(f"group {group.group_id} reached the trainer without advantages; groups must pass through "
                          "DataLayer.admit")
     return group.advantages
+
+
+# ----------------------------------------------------------------------------------------------- micro-batches
+# One optimiser step's batch, cut into micro-batches that the trainer runs one after another (gradient accumulation,
+# `PolicyModule(micro_batch_tokens=...)`): the forward's activation memory then scales with the budget, not the batch.
+
+
+def row_lengths(batch: TrainBatch) -> torch.Tensor:
+    """[B] int64: each row's length up to its last real token (right padding: its number of tokens)."""
+    am = batch.attention_mask  # [B, L]
+    positions = torch.arange(1, am.shape[1] + 1, device=am.device)  # [L]
+    return ((am != 0).long() * positions).amax(dim=1)
+
+
+def micro_batches(batch: TrainBatch, max_tokens: int | None) -> list[torch.Tensor]:
+    """Row indices [b_m] of each micro-batch; together they cover every row exactly once.
+
+    A micro-batch's cost is its padded token count: rows x the longest row in it (`select_rows` trims the columns
+    to that). Each stays within `max_tokens`, except a single row longer than the budget, which is a micro-batch by
+    itself. Rows are packed longest first, so the first row of a micro-batch sets its width and short rows share
+    micro-batches with short rows (little padding); ties keep row order, so the plan is deterministic. `max_tokens`
+    None, or a batch whose whole padded size fits, gives one micro-batch of all rows in order.
+
+    Example:
+        >>> import torch
+        >>> am = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]])
+        >>> b = TrainBatch(am, am, *(torch.zeros(4, 3) for _ in range(4)), torch.zeros(4, 3, dtype=torch.long))
+        >>> [r.tolist() for r in micro_batches(b, 6)]  # lengths 4, 2, 3, 2: [4] then 2 x 3, then 2 x 2
+        [[0], [1, 2], [3]]
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (padded tokens per micro-batch) or None, got {max_tokens}")
+    n = len(batch)
+    lengths = row_lengths(batch).tolist()
+    if max_tokens is None or n * max(lengths, default=0) <= max_tokens:
+        return [torch.arange(n)]
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * max(lengths[chunks[-1][0]], 1) <= max_tokens:
+            chunks[-1].append(i)  # lengths descend: the chunk's first row is its widest
+        else:
+            chunks.append([i])
+    return [torch.tensor(sorted(rows)) for rows in chunks]
+
+
+def select_rows(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+    """The rows `rows` [b] of `batch`, trimmed to their longest row: input columns [:L_m], token columns [:L_m - 1].
+
+    Trimming drops only columns that are padding in every selected row (right padding; a left-padded batch keeps
+    its full width), and position t keeps its meaning (it predicts token t + 1). `n_groups` stays the batch's.
+    """
+    width = max(int(row_lengths(batch)[rows].max()), min(2, batch.input_ids.shape[1]))  # >= 1 token position
+    t = width - 1
+
+    def take(x: torch.Tensor | None, cols: int) -> torch.Tensor | None:
+        return None if x is None else x[rows, :cols]
+
+    return TrainBatch(input_ids=take(batch.input_ids, width), attention_mask=take(batch.attention_mask, width),
+                      loss_mask=take(batch.loss_mask, t), behavior_logprobs=take(batch.behavior_logprobs, t),
+                      advantages=take(batch.advantages, t), weights=take(batch.weights, t),
+                      versions=take(batch.versions, t), n_groups=batch.n_groups,
+                      rewards=None if batch.rewards is None else batch.rewards[rows],
+                      topk_ids=take(batch.topk_ids, t), topk_behavior_logprobs=take(batch.topk_behavior_logprobs, t),
+                      roles=tuple(batch.roles[i] for i in rows.tolist()) if batch.roles else ())
+
+
+def place_rows(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], n_rows: int, width: int) -> torch.Tensor:
+    """The inverse of `select_rows` for per-token results: (rows [b_m], values [b_m, t_m, ...]) pieces placed into
+    one zero-filled [n_rows, width, ...] tensor (columns past a piece's t_m stay 0: they are its padding)."""
+    first = parts[0][1]
+    out = first.new_zeros((n_rows, width, *first.shape[2:]))
+    for rows, values in parts:
+        out[rows, : values.shape[1]] = values
+    return out

@@ -6,7 +6,7 @@ log π comes from logits / T), call the loss, aggregate once (`astratk.training.
 
 Optional, all off by default (then the step is exactly the one above):
 - **Proximal log-probs** π_old, when the loss (`needs_proximal`) or any correction asks: a no-grad forward at the
-  current weights before the grad forward, i.e. at the start of the step's first (here: only) mini-batch. This is
+  step's weights before the grad forward (one optimiser step per batch, so micro-batches see the same weights). This is
   the proximal policy of ALGORITHMS §1: tokens carry per-token weight versions, so π at each token's exact rollout
   weights would take one forward per version and is impractical.
 - **Mismatch corrections** (`corrections`, `astratk.losses.corrections`), in order: weights *= w, loss_mask *= keep.
@@ -15,16 +15,34 @@ Optional, all off by default (then the step is exactly the one above):
   only then) and an **entropy bonus** (`entropy_coef` > 0): added to the per-token losses under the loss's mask
   before aggregation; reported as `kl_ref_mean`, `entropy_mean`.
 - **Batch statistics under DDP**: a loss with `batch_statistics` gets `reduce` = sum over ranks.
+- **Micro-batches** (`micro_batch_tokens`): one optimiser step's batch is cut into micro-batches of at most that many
+  padded tokens (rows x longest row; `astratk.training.collate.micro_batches`) and their gradients accumulate inside
+  one `training_step`, so activation memory scales with the budget, not the batch. The step's loss, gradient and
+  metrics are the unsplit step's (to fp32 round-off) for every aggregation mode, corrections, regularisers and
+  losses with batch statistics: `_accumulated_step` and `_two_pass_step` say how. The metrics gain `micro_batches`.
+  One optimiser step per data-layer step as before, so `trainer.global_step`, the data tickets and publishing count
+  the same; Lightning still clips (`Trainer(gradient_clip_val=...)`) and steps, because this stays automatic
+  optimisation: Lightning 2.6 rejects `gradient_clip_val` under manual optimisation, and the run builds its Trainer
+  with it. The earlier micro-batches are back-propagated inside `training_step`, the last one by Lightning.
+
+Data parallel (DDP; ALGORITHMS §4, "Under DDP"): rank r trains on `groups[r::W]` of the step's batch. The step's loss
+is L = (Σ_r S_r) / D, S_r = rank r's numerator (its sum of token losses for token-mean, of sequence values for the
+seq-mean modes) and D = the count over *all* ranks (tokens or sequences). DDP averages gradients, (1/W) Σ_r ∇ℓ_r, so
+each rank back-propagates ℓ_r = W · S_r / D and the average is ∇L. Normalising by the rank's own count D_r instead
+(what a single-process step does) would give (1/W) Σ_r S_r / D_r, which is L only when every D_r is equal: not for
+token-mean with ragged lengths, nor for an odd number of groups. The counts are all-reduced once per step (`_counts`).
 
 Example:
     >>> from astratk.losses.drpo import DRPO
     >>> from astratk.losses.corrections import TIS
     >>> module = PolicyModule("path/to/hf_model", loss=DRPO(delta=0.5), lr=1e-3,
-    ...                       corrections=[TIS(cap=2.0)], kl_coef=0.01)  # doctest: +SKIP
+    ...                       corrections=[TIS(cap=2.0)], kl_coef=0.01,
+    ...                       micro_batch_tokens=16384)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +52,7 @@ from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
 from astratk.training._pl import pl
 from astratk.training.aggregation import aggregate
+from astratk.training.collate import micro_batches, place_rows, select_rows
 from astratk.training.logprobs import PolicyForward, policy_forward, token_logprobs
 from astratk.training.regularizers import check_kl_estimator
 from astratk.training.step_inputs import (
@@ -50,12 +69,17 @@ class PolicyModule(pl.LightningModule):
                  weight_decay: float = 0.0, temperature: float = 1.0,
                  aggregation: str = "seq-mean-token-sum-norm", horizon: int | None = None,
                  corrections: list[TokenCorrection] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 reference_path: str | None = None, entropy_coef: float = 0.0) -> None:
+                 reference_path: str | None = None, entropy_coef: float = 0.0,
+                 micro_batch_tokens: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["loss", "corrections"])
         if not (kl_coef >= 0 and entropy_coef >= 0):
             raise ValueError(f"kl_coef and entropy_coef must be >= 0 (0 turns the term off); got kl_coef={kl_coef}, "
                              f"entropy_coef={entropy_coef}")
+        if micro_batch_tokens is not None and not micro_batch_tokens >= 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or None (the whole "
+                             f"step's batch in one forward); got {micro_batch_tokens}")
+        self.micro_batch_tokens = micro_batch_tokens
         self.corrections, self.correction_names = check_corrections(corrections)
         self.kl_coef, self.kl_estimator = float(kl_coef), check_kl_estimator(kl_estimator)
         self.entropy_coef = float(entropy_coef)
@@ -84,44 +108,216 @@ class PolicyModule(pl.LightningModule):
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def training_step(self, batch: TrainBatch, batch_idx: int) -> torch.Tensor:
+        if self._trainer is not None:  # see optimizer_zero_grad
+            self.zero_grad(set_to_none=True)
+        chunks = micro_batches(batch, self.micro_batch_tokens)
+        if len(chunks) == 1:
+            loss, metrics = self._whole_step(batch)
+        elif self.loss.batch_statistics:
+            loss, metrics = self._two_pass_step(batch, chunks)
+        else:
+            loss, metrics = self._accumulated_step(batch, chunks)
+        metrics["micro_batches"] = float(len(chunks))
+        self._record(batch, self._loss_value(loss), metrics)
+        return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """A no-op: `training_step` zeroes the gradients when it starts. Lightning calls this hook after
+        `training_step` and before the backward of the loss it returned, when the gradients already hold the step's
+        earlier micro-batches."""
+
+    def on_fit_start(self) -> None:
+        if self.trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"Trainer(accumulate_grad_batches={self.trainer.accumulate_grad_batches}): a PolicyModule "
+                             "takes one data-layer batch per optimiser step; to cut a step's batch into pieces that fit "
+                             "in memory set micro_batch_tokens (trainer.micro_batch_tokens in the run config)")
+
+    # -------------------------------------------------------------------------------------------- step variants
+
+    def _whole_step(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The step in one forward: the loss to back-propagate, and the step's metrics."""
         proximal = self._no_grad_logprobs(self.model, batch) if self.needs_proximal else None  # [B, T], before the
         #   grad forward: the proximal policy (module docstring)
+        fwd = self._policy_forward(batch)
+        token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, self._reference_logprobs(batch))
+        return self._aggregate(token_losses, mask), metrics
+
+    def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Gradient accumulation for losses without batch statistics (ALGORITHMS §4 aggregation).
+
+        A token's loss depends on its own sequence only (a loss that couples sequences declares `batch_statistics`),
+        so each micro-batch's share of the step's loss is its part of the numerator over the *whole* batch's
+        denominator, and the shares add up to the step's loss: the batch's sequence count for the seq-mean modes;
+        for token-mean its count of effective-mask tokens, which is known only once the loss has seen every
+        micro-batch (MIS, or a loss's own masking, can drop tokens). So the shares divide by the loss mask's token
+        count, and after the last micro-batch the accumulated gradient and the last share are scaled by (loss-mask
+        tokens / effective tokens), 1 unless a token left the denominator. The step's loss value and metrics come from
+        one no-grad pass of the corrections, the loss and the regularisers over the whole batch's (detached) forward
+        outputs, so they are the unsplit step's.
+        """
+        counts = self._counts(batch.loss_mask)  # (tokens, sequences), over all ranks under DDP
+        saved: list[tuple[torch.Tensor, PolicyForward, torch.Tensor | None, torch.Tensor | None]] = []
+
+        def share(rows: torch.Tensor, part: TrainBatch) -> torch.Tensor:
+            proximal = self._no_grad_logprobs(self.model, part) if self.needs_proximal else None  # [b, t]
+            fwd, ref = self._policy_forward(part), self._reference_logprobs(part)
+            token_losses, mask, _ = self._loss_terms(part, fwd, proximal, ref)
+            saved.append((rows, _detached(fwd), ref, proximal))
+            return self._aggregate(token_losses, mask, counts)
+
+        last = self._run_micro_batches(batch, chunks, share)
+        with torch.no_grad():  # the whole batch's loss and metrics, from the outputs the micro-batches computed
+            fwd, ref, proximal = self._assemble(batch, saved)
+            token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, ref)
+            effective = self._counts(mask)
+            loss = self._aggregate(token_losses, mask, effective)
+        if self.aggregation == "token-mean" and not torch.equal(counts[0], effective[0]):
+            ratio = (counts[0].clamp_min(1.0) / effective[0].clamp_min(1.0)).to(last.dtype)  # [] loss-mask tokens /
+            #   effective tokens
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(ratio.to(p.grad.dtype))
+            last = last * ratio
+        return last + (loss - last.detach()), metrics  # the last share's gradient, the step's loss value
+
+    def _two_pass_step(self, batch: TrainBatch, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Micro-batches for a loss with batch statistics (M2PO's second-moment cut): those need every token of the
+        step in one loss call, so a micro-batch cannot compute its own share.
+
+        1. A no-grad forward of each micro-batch gives log π (and entropy, top-K log π) for every row.
+        2. The corrections, the loss and the regularisers run once on the whole batch with those outputs as leaf
+           tensors: the step's loss L, its metrics, and dL/d(outputs) [B, T] by autograd.
+        3. Each micro-batch's grad forward back-propagates Σ outputs · dL/d(outputs) over its rows: by the chain
+           rule the gradients add up to dL/dθ, since L depends on θ only through the outputs and the weights do not
+           change within the step.
+        The price is one more no-grad forward per micro-batch; it is also the proximal forward (π_old is π at the
+        step's weights), so a loss that needs π_old pays nothing extra.
+        """
+        saved = []
+        with torch.no_grad():
+            for rows in chunks:
+                part = select_rows(batch, rows)
+                saved.append((rows, self._policy_forward(part), self._reference_logprobs(part), None))
+        fwd, ref, _ = self._assemble(batch, saved)
+        proximal = fwd.logprobs.clone() if self.needs_proximal else None  # [B, T] no-grad π at the step's weights
+        leaves = [t.requires_grad_() for t in _outputs(fwd)]
+        token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, ref)
+        loss = self._aggregate(token_losses, mask)
+        grads = [torch.zeros_like(t) if g is None else g  # [B, T] or [B, T, K] each
+                 for t, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True))]
+
+        def surrogate(rows: torch.Tensor, part: TrainBatch) -> torch.Tensor:
+            outputs = _outputs(self._policy_forward(part))
+            return sum((out * g[rows, : out.shape[1]]).sum() for out, g in zip(outputs, grads))
+
+        last = self._run_micro_batches(batch, chunks, surrogate)
+        return last + (loss.detach() - last.detach()), metrics
+
+    def _run_micro_batches(self, batch: TrainBatch, chunks: list[torch.Tensor],
+                           contribution: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
+        """Back-propagate each micro-batch's contribution to the step's loss in turn, except the last one, which is
+        returned for Lightning to back-propagate (with clipping and the optimiser step after it, as for any loss)."""
+        for rows in chunks[:-1]:
+            self._backward(contribution(rows, select_rows(batch, rows)))
+        return contribution(chunks[-1], select_rows(batch, chunks[-1]))
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward inside `training_step`, through the strategy as `manual_backward` does, so a
+        precision plugin scales it as it scales the returned loss. Under DDP this runs inside the DDP-wrapped
+        forward, before the reducer expects gradients, so they accumulate locally; the one all-reduce happens in the
+        backward of the returned loss and reads the accumulated `.grad`. Every rank thus issues the same collectives
+        whatever its number of micro-batches."""
+        if self._trainer is None:
+            loss.backward()
+        else:
+            self.trainer.strategy.backward(loss, None)
+
+    # ------------------------------------------------------------------------------------------- step pieces
+
+    def _policy_forward(self, batch: TrainBatch) -> PolicyForward:
+        topk_ids, _ = topk_fields(batch, self.loss)  # [B, T, K], or None
+        return policy_forward(self.model, batch.input_ids, batch.attention_mask, self.temperature,
+                              entropy=self.entropy_coef > 0, topk_ids=topk_ids)
+
+    def _loss_terms(self, batch: TrainBatch, fwd: PolicyForward, proximal: torch.Tensor | None,
+                    ref: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Corrections, the loss and the regularisers: (token losses [B, T], effective mask [B, T], metrics)."""
         topk_ids, topk_mu = topk_fields(batch, self.loss)  # [B, T, K] each, or None
-        fwd = policy_forward(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                             entropy=self.entropy_coef > 0, topk_ids=topk_ids)
         inputs = LossInputs(logprobs=fwd.logprobs, behavior_logprobs=batch.behavior_logprobs,
                             advantages=batch.advantages, loss_mask=batch.loss_mask, weights=batch.weights,
                             proximal_logprobs=proximal, topk_ids=topk_ids, topk_behavior_logprobs=topk_mu,
                             topk_logprobs=fwd.topk_logprobs, reduce=self._reduce())
         inputs, metrics = apply_corrections(self.corrections, self.correction_names, inputs)
         out = self.loss(inputs)
-        token_losses, term_metrics = self._regularize(out.token_losses, out.mask, fwd, batch)
-        loss = aggregate(token_losses, out.mask, self.aggregation, horizon=self.horizon)
+        token_losses, term_metrics = add_regularizers(out.token_losses, out.mask, fwd.logprobs, ref_logprobs=ref,
+                                                      kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
+                                                      entropy=fwd.entropy, entropy_coef=self.entropy_coef)
         metrics.update({f"loss/{k}": v for k, v in out.metrics.items()})
         metrics.update(term_metrics)
-        self._record(batch, loss, metrics)
-        return loss
+        return token_losses, out.mask, metrics
+
+    def _aggregate(self, token_losses: torch.Tensor, mask: torch.Tensor,
+                   counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The loss this process back-propagates for these token losses (module docstring, "Data parallel").
+
+        `counts` (tokens, sequences) are the denominators; None: this batch's, summed over ranks under DDP. In a
+        single process without `counts` this is `aggregate` itself, bit for bit."""
+        if counts is None and not self._distributed():
+            return aggregate(token_losses, mask, self.aggregation, horizon=self.horizon)
+        tokens, seqs = counts if counts is not None else self._counts(mask)
+        world = self.trainer.world_size if self._distributed() else 1
+        return world * aggregate(token_losses, mask, self.aggregation, horizon=self.horizon, global_tokens=tokens,
+                                 global_seqs=seqs)
+
+    def _counts(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask tokens, sequences) of this batch, summed over ranks under DDP: the aggregation denominators."""
+        local = torch.stack([mask.detach().sum(dtype=torch.float64), torch.tensor(float(mask.shape[0]),
+                                                                                  dtype=torch.float64,
+                                                                                  device=mask.device)])
+        total = sum_over_ranks(self.all_gather)(local) if self._distributed() else local
+        return total[0], total[1]
+
+    def _loss_value(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss for the metrics: the global batch's under DDP (each rank returns world x its share)."""
+        if not self._distributed():
+            return loss.detach()
+        return sum_over_ranks(self.all_gather)(loss.detach() / self.trainer.world_size)
+
+    def _assemble(self, batch: TrainBatch, saved: list) -> tuple[PolicyForward, torch.Tensor | None,
+                                                                 torch.Tensor | None]:
+        """Whole-batch [B, T] outputs from the micro-batches' (rows, forward, reference, proximal), detached."""
+        n, t = batch.loss_mask.shape
+
+        def whole(get: Callable[[Any], torch.Tensor | None]) -> torch.Tensor | None:
+            if get(saved[0]) is None:
+                return None
+            return place_rows([(item[0], get(item).detach()) for item in saved], n, t)
+
+        fwd = PolicyForward(logprobs=whole(lambda s: s[1].logprobs), entropy=whole(lambda s: s[1].entropy),
+                            topk_logprobs=whole(lambda s: s[1].topk_logprobs))
+        return fwd, whole(lambda s: s[2]), whole(lambda s: s[3])
 
     def _no_grad_logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         with torch.no_grad():
             return token_logprobs(model, batch.input_ids, batch.attention_mask, self.temperature)  # [B, T]
 
-    def _regularize(self, token_losses: torch.Tensor, mask: torch.Tensor, fwd: PolicyForward,
-                    batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        ref = None
-        if self.reference is not None:
-            ref = self._no_grad_logprobs(self._reference_on(batch.input_ids.device), batch)  # [B, T]
-        return add_regularizers(token_losses, mask, fwd.logprobs, ref_logprobs=ref, kl_coef=self.kl_coef,
-                                kl_estimator=self.kl_estimator, entropy=fwd.entropy, entropy_coef=self.entropy_coef)
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """log π_ref [B, T] (no grad) when the KL term is on, else None."""
+        if self.reference is None:
+            return None
+        return self._no_grad_logprobs(self._reference_on(batch.input_ids.device), batch)
 
     def _reference_on(self, device: torch.device) -> torch.nn.Module:
         if next(self.reference.parameters()).device != device:
             self.reference.to(device)
         return self.reference
 
+    def _distributed(self) -> bool:
+        return self._trainer is not None and self.trainer.world_size > 1
+
     def _reduce(self) -> Any:
         """Sum over data-parallel ranks for losses with batch-wide statistics; None in a single process."""
-        if not self.loss.batch_statistics or self._trainer is None or self.trainer.world_size <= 1:
+        if not self.loss.batch_statistics or not self._distributed():
             return None
         return sum_over_ranks(self.all_gather)
 
@@ -165,6 +361,15 @@ class PolicyModule(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
                                  betas=(0.9, 0.99))
+
+
+def _detached(fwd: PolicyForward) -> PolicyForward:
+    return PolicyForward(*(None if t is None else t.detach() for t in (fwd.logprobs, fwd.entropy, fwd.topk_logprobs)))
+
+
+def _outputs(fwd: PolicyForward) -> list[torch.Tensor]:
+    """The forward's outputs the loss can depend on (log π, entropy, top-K log π), in a fixed order."""
+    return [t for t in (fwd.logprobs, fwd.entropy, fwd.topk_logprobs) if t is not None]
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

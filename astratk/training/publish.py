@@ -1,5 +1,6 @@
 """`WeightPublisher`: every k optimiser steps, publish the policy's weights and tell the data layer.
 
+Under data parallelism only global rank 0 writes and tells the data layer; every rank moves its `policy_version`.
 The trainer blocks only while it copies the weights out and writes them to the store (a full snapshot, or a sparse
 delta against the previous publication: `astratk.weights.store`); rollout services pull them at their next safe point
 (DESIGN §4 step 6). On a publishing step the step's metrics gain `weights/<policy>/publish_s` (seconds the trainer
@@ -28,8 +29,12 @@ class WeightPublisher(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx
                            ) -> None:
-        if trainer.global_step % self.every == 0:
+        if trainer.global_step % self.every != 0:
+            return
+        if trainer.is_global_zero:
             self.publish(pl_module)
+        else:  # data-parallel ranks hold the same weights: one writer; the others only move their version
+            pl_module.policy_version += 1
 
     def publish(self, pl_module: pl.LightningModule) -> WeightRef:
         version = pl_module.policy_version + 1

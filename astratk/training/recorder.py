@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from astratk.training._pl import pl
@@ -64,3 +65,15 @@ class ProgressPrinter(pl.Callback):
         if self.status is not None:
             line += "  " + self.status()
         self.printer(line)
+
+
+class StopFile(pl.Callback):
+    """Stop training after the current step once `path` exists (how `Run.stop()` reaches trainers in this process
+    and in trainer processes alike)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.path.exists():
+            trainer.should_stop = True

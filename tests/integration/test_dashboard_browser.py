@@ -36,6 +36,8 @@ from typing import Any
 
 import pytest
 
+from tests.unit.test_dashboards import ALL_TITLES, synthetic_metrics  # also registers ds.astra
+
 pytestmark = pytest.mark.integration
 
 INSTALL = "apt-get install -y chromium"
@@ -241,22 +243,16 @@ def problems(page: Page, titles: list[str], page_title: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A two-policy metrics dataset (no training run) and its dashboard, saved the way a run saves it."""
+    """A two-policy metrics dataset with every plot's variables (no training run: steps, evaluations, drops, two
+    hardware classes of rollout services) and its dashboard, saved the way a run saves it."""
     import holoviews as hv
 
-    import astratk.viz  # noqa: F401  (registers ds.astra)
-    from astratk.metrics import build_dataset
-
-    policies = ["main", "rival"]
-    steps = {p: [{f"train/{p}/reward_mean": 0.1 * i + k, f"train/{p}/time_s": float(i)} for i in range(8)]
-             for k, p in enumerate(policies)}
-    evals = {p: [{"accuracy": 0.2 + 0.1 * i + 0.05 * k, "train_time_s": 2.0 * i, "version": i} for i in range(4)]
-             for k, p in enumerate(policies)}
-    ds = build_dataset(policies, steps, evals, {"data/leases_issued": 32})
+    ds = synthetic_metrics()
     out = tmp_path_factory.mktemp("dashboard")
-    # A first save leaves matplotlib as HoloViews' current backend (as after a run in this process): the second must
-    # still write Bokeh HTML.
+    # The second save runs with matplotlib as HoloViews' current backend (as in a notebook that uses it; a save
+    # once left it so): it must still write Bokeh HTML, built with the plots' bokeh options.
     ds.astra.save(out / "first")
+    hv.extension("matplotlib", logo=False)
     files = ds.astra.save(out / "dashboard")
     assert files["html"].is_file() and files["png"].is_file(), files
     titles = [hv.render(plot, backend="bokeh").title.text for plot in ds.astra.dashboard()]
@@ -269,7 +265,7 @@ def test_saved_dashboard_renders_every_plot_offline(chromium, saved, tmp_path):
     (tmp_path / "screenshot.png").write_bytes(page.png)  # kept by pytest's tmp_path for a look after a failure
     found = problems(page, titles, page_title=html.stem)
     assert found == [], "\n".join([*found, f"page state: {page.state}", f"screenshot: {tmp_path / 'screenshot.png'}"])
-    assert len(titles) == 2 and page.state is not None  # the synthetic data gives both plots
+    assert titles == ALL_TITLES and page.state is not None  # the synthetic data gives every plot (lines, bars, bands)
 
 
 # The script error leaves Bokeh's red error box on the page; the CDN page stays blank.

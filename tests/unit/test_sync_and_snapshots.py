@@ -216,3 +216,43 @@ def test_episode_seeds_are_per_lease_and_episode_and_stable():
     seeds = {episode_seed(0, f"L{i}", j) for i in range(50) for j in range(8)}
     assert len(seeds) == 400 and all(0 <= s < 2**62 for s in seeds)
     assert episode_seed(0, "L3", 1) == episode_seed(0, "L3", 1) != episode_seed(1, "L3", 1)
+
+
+def test_synchronous_multi_policy_rounds_train_one_policy_after_the_other():
+    s = two_policies(synchronous=True)
+    s.cluster.rollout_workers = 1
+    dl = DataLayer(s, clock=Clock())
+    [lease] = dl.lease(10)
+    dl.admit(lease.lease_id, [group(lease, policy="solver", role="solver"),
+                              group(lease, policy="verifier", role="verifier")])
+    assert dl.next_batch("verifier", 0) is None  # the solver trains first
+    assert dl.next_batch("solver", 0) is not None
+    assert dl.next_batch("verifier", 0) is None and dl.lease(10) == []
+    dl.publish_version(ref(1, "solver"))
+    assert dl.next_batch("verifier", 0) is not None and dl.lease(10) == []  # next round after both published
+    dl.publish_version(ref(1, "verifier"))
+    assert len(dl.lease(10)) == 1
+
+
+def test_a_policy_held_by_the_barrier_does_not_starve_the_other():
+    """The verifier is ahead and held by the barrier; its buffer is full. Leasing must go on for the solver (a
+    minimum over policies would deadlock: the verifier waits for the solver, the solver for data), and the
+    verifier's surplus is capped (oldest dropped, counted)."""
+    dl = DataLayer(two_policies(version_barrier=0, prefetch_steps=2.0), clock=Clock())
+    for _ in range(2):
+        for lease in dl.lease(1):
+            dl.admit(lease.lease_id, [group(lease, policy="solver", role="solver"),
+                                      group(lease, policy="verifier", role="verifier")])
+    assert dl.next_batch("solver", 0) is not None  # the solver trains step 0: its buffer is empty again
+    dl.publish_version(ref(1, "solver"))
+    assert dl.next_batch("solver", 1) is None  # held: the verifier (version 0) has not trained step 0 yet
+    assert dl.metrics()["data/verifier/buffer_groups"] == 2  # full for the verifier (target 2)...
+    assert len(dl.lease(1)) == 1  # ...and yet the solver still gets tasks
+    for _ in range(20):
+        for lease in dl.lease(1):
+            dl.admit(lease.lease_id, [group(lease, policy="solver", role="solver"),
+                                      group(lease, policy="verifier", role="verifier")])
+        dl._buffers["solver"].clear()  # the solver keeps consuming
+    m = dl.metrics()
+    assert m["data/verifier/buffer_groups"] <= 8 + 1 and m["data/verifier/groups_dropped_overflow"] > 0  # cap + in flight
+    assert dl.next_batch("verifier", 0) is not None  # the verifier catches up from its freshest groups

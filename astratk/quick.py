@@ -1,0 +1,40 @@
+"""`smoke(spec)`: the same run at a smoke-test budget: a tiny warm start, a few steps, a small evaluation.
+
+For trying a configuration end to end in a minute (and how the test suite executes the tutorials: their
+`ASTRATK_TUTORIAL_SHORT=1` mode). Everything else (env, losses, stages, cluster shape) stays as configured.
+
+    >>> from astratk.spec import RunSpec
+    >>> s = smoke(RunSpec(), steps=2)
+    >>> s.policies[0].trainer.max_steps, s.policies[0].model.tiny.warm_start_steps
+    (2, 30)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from astratk.spec import RunSpec
+
+
+def smoke(spec: RunSpec, steps: int = 3, heldout: int = 16, cache_dir: str | None = None) -> RunSpec:
+    spec = dataclasses.replace(spec)
+    spec.policies = [dataclasses.replace(p) for p in spec.policies]
+    for p in spec.policies:
+        p.model = dataclasses.replace(p.model, cache_dir=cache_dir or p.model.cache_dir,
+                                      tiny=dataclasses.replace(p.model.tiny, warm_start_steps=30,
+                                                               warm_start_batch=32, warm_start_target=None))
+        p.trainer = dataclasses.replace(p.trainer, max_steps=steps, max_time_s=None,
+                                        groups_per_step=min(p.trainer.groups_per_step, 4), checkpoint_every=None)
+    spec.rollout = dataclasses.replace(spec.rollout, group_size=min(spec.rollout.group_size, 4),
+                                       tasks_per_chunk=min(spec.rollout.tasks_per_chunk, 4))
+    spec.eval = dataclasses.replace(spec.eval, max_tasks=heldout, interval_s=1e6, pass_k=min(spec.eval.pass_k, 2))
+    spec.dataflow = dataclasses.replace(spec.dataflow, filter_zero_variance=False, max_curator_skips=10_000)
+    spec.progress = False
+    spec.output_dir = os.environ.get("ASTRATK_TUTORIAL_OUTPUT", spec.output_dir)  # where the test suite wants it
+    return spec
+
+
+def short_mode() -> bool:
+    """True when the tutorials run in the test suite's short mode (`ASTRATK_TUTORIAL_SHORT=1`)."""
+    return os.environ.get("ASTRATK_TUTORIAL_SHORT") == "1"

@@ -1,0 +1,102 @@
+"""`TrainerProcesses`: a multi-policy run's trainers, one `astratk train fit` process per policy.
+
+Each process attaches to the run's deployment by name through the Dask scheduler (`astratk.runtime.registry`),
+trains its policy with the run config's `trainer:` section and writes its step rows to
+`<run dir>/trainers/<policy>/steps.json`. Output lines are relayed prefixed with the policy. If one trainer fails, the
+others are stopped and the error names the policy and ends with its last output lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class TrainerProcesses:
+    def __init__(self, spec: Any, run_dir: Path, deployment: str, scheduler: str,
+                 printer: Callable[[str], None] = print, startup_timeout_s: float | None = None) -> None:
+        self.spec, self.run_dir, self.deployment, self.scheduler = spec, Path(run_dir), deployment, scheduler
+        self.print = printer
+        self.startup_timeout_s = startup_timeout_s or spec.cluster.startup_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tails: dict[str, collections.deque[str]] = {}
+        self._relays: list[threading.Thread] = []
+
+    def command(self, policy_id: str) -> list[str]:
+        root = self.run_dir / "trainers" / policy_id
+        return [sys.executable, "-m", "astratk", "train", "fit", "--run_config", str(self.run_dir / "config.yaml"),
+                "--policy_id", policy_id, "--deployment", self.deployment, "--scheduler", self.scheduler,
+                "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
+
+    def start(self) -> None:
+        threads = str(self.spec.cluster.torch_threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        for p in self.spec.policies:
+            pid = p.policy_id
+            (self.run_dir / "trainers" / pid).mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen(self.command(pid), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=env, bufsize=1)
+            self.procs[pid] = proc
+            self.tails[pid] = collections.deque(maxlen=40)
+            relay = threading.Thread(target=self._relay, args=(pid, proc), name=f"astratk-relay-{pid}", daemon=True)
+            relay.start()
+            self._relays.append(relay)
+
+    def _relay(self, pid: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            self.tails[pid].append(line)
+            if line.startswith("[") and " step " in line:  # the trainer's progress lines
+                self.print(f"{pid:>10} | {line}")
+
+    def wait(self) -> dict[str, dict[str, Any]]:
+        """Block until every trainer exits; their results. A failure stops the others and raises."""
+        try:
+            while True:
+                codes = {pid: proc.poll() for pid, proc in self.procs.items()}
+                failed = [pid for pid, code in codes.items() if code not in (None, 0)]
+                if failed:
+                    pid = failed[0]
+                    tail = "\n".join(self.tails[pid])
+                    raise RuntimeError(f"the trainer of policy {pid!r} exited with code {codes[pid]}; its last "
+                                       f"output:\n{tail}")
+                if all(code == 0 for code in codes.values()):
+                    break
+                time.sleep(0.5)
+        finally:
+            self.stop()
+        for relay in self._relays:
+            relay.join(5)
+        return {pid: self._result(pid) for pid in self.procs}
+
+    def _result(self, pid: str) -> dict[str, Any]:
+        path = self.run_dir / "trainers" / pid / "steps.json"
+        if not path.exists():
+            raise RuntimeError(f"the trainer of policy {pid!r} exited without writing {path}; last output:\n"
+                               + "\n".join(self.tails[pid]))
+        return json.loads(path.read_text())
+
+    def run(self) -> dict[str, dict[str, Any]]:
+        self.start()
+        return self.wait()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,26 @@
+"""The CLI's cluster-job commands without a cluster: usage, --print_config, and errors that name what to fix.
+(The commands running for real, across processes: tests/integration/test_cli_cluster.py.)"""
+
+from __future__ import annotations
+
+import yaml
+
+from astratk.cli import main
+
+
+def test_train_fit_help_and_print_config(capsys):
+    assert main(["train", "fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--run_config" in out and "--deployment" in out and "--trainer.max_steps" in out
+    assert main(["train", "fit", "--run_config", "tutorials/quickstart.yaml", "--deployment", "d", "--print_config"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["run_config"] == "tutorials/quickstart.yaml" and cfg["deployment"] == "d"  # linked to model/data
+    assert main(["train"]) == 0 and "astratk train fit" in capsys.readouterr().out
+
+
+def test_deploy_needs_a_scheduler_and_status_names_an_unreachable_one(capsys):
+    assert main(["deploy", "--config", "tutorials/quickstart.yaml"]) == 2
+    assert "cluster.scheduler_address is required" in capsys.readouterr().err
+    assert main(["deploy", "--config", "tutorials/quickstart.yaml", "--name"]) == 2
+    assert main(["status", "--scheduler", "tcp://127.0.0.1:9", "--timeout", "2"]) == 2
+    assert "cannot reach the Dask scheduler at tcp://127.0.0.1:9" in capsys.readouterr().err
