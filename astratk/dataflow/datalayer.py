@@ -160,20 +160,24 @@ class DataLayer:
         (rolling out further ahead only produces samples that go stale)."""
         self._expire()
         if self._sync:  # a whole round at once, whatever was asked: chunks, hence engine batches, are then cut
-            room = n = self._round_room()  # from the round the same way in every run (batching moves log-probs)
+            #   from the round the same way in every run (batching moves log-probs); mid-round only its retries
+            in_round = bool(self._outstanding or self._round or self._retry)
+            n = len(self._retry) if in_round else self._round_room()
+            new_room = 0 if in_round else n
         else:  # while any policy wants data: one whose trainer waits (slower, or held by the version barrier) must
             #   not starve the others, which would deadlock the barrier; its surplus is capped instead
-            room = max(self._prefetch_target(pid) - len(self._cap_buffer(pid)) for pid in self._buffers) \
+            new_room = max(self._prefetch_target(pid) - len(self._cap_buffer(pid)) for pid in self._buffers) \
                 - len(self._outstanding) - len(self._retry)
-        n = max(0, min(n, room))
+        n = max(0, n)
         out: list[Lease] = []
         deadline = self._clock() + self.spec.dataflow.lease_timeout_s
-        while self._retry and len(out) < n:
+        while self._retry and len(out) < n:  # re-issues are work already counted: the room never holds them back
             old = self._retry.popleft()
             if old.lease_id in self._closed:  # its slow original was admitted after it expired: nothing to redo
                 continue
             out.append(dataclasses.replace(old, deadline=deadline, attempt=old.attempt + 1))
             self._counts["data/leases_reissued"] += 1
+        n = len(out) + max(0, min(n - len(out), new_room))
         skipped = 0
         while len(out) < n:
             task = next(self._tasks, None)
@@ -211,12 +215,8 @@ class DataLayer:
         return buf
 
     def _round_room(self) -> int:
-        """Synchronous mode: retries of the round in progress, else (once every policy has published the version of
-        every batch served) a new round of the largest shortfall of fresh groups over the policies."""
-        if self._outstanding or self._round:
-            return len(self._retry)
-        if self._retry:
-            return len(self._retry)
+        """Synchronous mode, between rounds: once every policy has published the version of every batch served, a
+        new round of the largest shortfall of fresh groups over the policies."""
         if any(self._versions[pid] < self._served[pid] for pid in self._buffers):
             return 0  # the trainer has not published the weights of the last batch yet
         room = 0

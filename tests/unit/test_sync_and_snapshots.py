@@ -256,3 +256,15 @@ def test_a_policy_held_by_the_barrier_does_not_starve_the_other():
     m = dl.metrics()
     assert m["data/verifier/buffer_groups"] <= 8 + 1 and m["data/verifier/groups_dropped_overflow"] > 0  # cap + in flight
     assert dl.next_batch("verifier", 0) is not None  # the verifier catches up from its freshest groups
+
+
+def test_restored_leases_are_reissued_even_when_they_fill_the_prefetch_room(tmp_path):
+    """A snapshot with a full prefetch window of leases out (8 = 2 steps x 4 groups): after restore they wait for
+    re-issue, and the room for new tasks is 0; re-issues must still go out (else the run waits forever)."""
+    s = spec(policies=[PolicySpec(trainer=TrainerSpec(groups_per_step=4))])
+    dl = DataLayer(s, clock=Clock(), snapshot_url=str(tmp_path / "dl"))
+    assert len(dl.lease(100)) == 8
+    new = DataLayer.restore(s, dl.state_dict(), clock=Clock())
+    again = new.lease(100)
+    assert [x.lease_id for x in again] == [f"L{i}" for i in range(8)]
+    assert new.lease(100) == []  # and nothing new beyond the window
