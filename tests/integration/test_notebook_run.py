@@ -32,8 +32,12 @@ def test_background_run_pauses_resumes_and_loses_nothing(tmp_path):
     wait_until(lambda: run.status().get("main", {}).get("version", 0) >= 2, 240, "two trained steps")
     run.pause()
     assert run.state == "paused" and "paused" in run._repr_html_()
-    time.sleep(1.0)  # let the step in flight finish and publish
-    frozen = run.status()["main"]
+    def settled():  # the step in flight finishes and publishes; then nothing moves
+        before = run.status()["main"]
+        time.sleep(1.5)
+        return before if run.status()["main"] == before else None
+
+    frozen = wait_until(settled, 60, "the step in flight to finish after the pause")
     time.sleep(4.0)
     later = run.status()["main"]
     assert later["version"] == frozen["version"] and later["groups_served"] == frozen["groups_served"]
