@@ -136,14 +136,16 @@ class AstraAccessor:
     def mismatch(self) -> Any:
         """Training–inference mismatch |π − μ| per step: the mean (and max) over the batch's completion tokens of
         the absolute difference between the trainer's probability π of each sampled token (at the weights being
-        trained) and the probability μ the rollout engine sampled it with. Reported by losses that compute it
-        (DRPO's `tv_mean` / `tv_max`). Includes the policy's drift since the token's behaviour version: read it
-        with `version_lag()` (at staleness 0 it is the engine/trainer numerical mismatch alone)."""
+        trained) and the probability μ the rollout engine sampled it with: the trainer's `pi_mu_abs_mean/max`
+        (every loss), else a loss's own (DRPO's `tv_mean` / `tv_max`). Includes the policy's drift since the token's
+        behaviour version: read it with `version_lag()` (at staleness 0 it is the engine/trainer mismatch alone)."""
         import hvplot.pandas  # noqa: F401
 
-        df = self._frame("mismatch", ["loss_tv_mean"], ["loss_tv_max"],
-                         hint="the loss reports |π − μ| as `tv_mean` (DRPO does)")
-        long = self._series(df, {"loss_tv_mean": "mean", "loss_tv_max": "max"}, "|π − μ|", ["policy", "step"])
+        mean, top = (("train_pi_mu_abs_mean", "train_pi_mu_abs_max") if self._has(["train_pi_mu_abs_mean"])
+                     else ("loss_tv_mean", "loss_tv_max"))
+        df = self._frame("mismatch", [mean], [top], hint="the trainer reports |π − μ| as `pi_mu_abs_mean`; older "
+                         "runs only through the loss (DRPO's `tv_mean`)")
+        long = self._series(df, {mean: "mean", top: "max"}, "|π − μ|", ["policy", "step"])
         return long.hvplot.line(x="step", y="|π − μ|", by="series", xlabel="optimizer step",
                                 title="training–inference mismatch |π − μ|")
 

@@ -254,6 +254,7 @@ class PolicyModule(pl.LightningModule):
                                                       entropy=fwd.entropy, entropy_coef=self.entropy_coef)
         metrics.update({f"loss/{k}": v for k, v in out.metrics.items()})
         metrics.update(term_metrics)
+        metrics.update(_pi_mu(fwd.logprobs, batch.behavior_logprobs, batch.loss_mask))
         return token_losses, out.mask, metrics
 
     def _aggregate(self, token_losses: torch.Tensor, mask: torch.Tensor,
@@ -382,3 +383,15 @@ def _disable_dropout(model: torch.nn.Module) -> None:
     for name in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout"):
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)
+
+
+def _pi_mu(logprobs: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """|pi - mu| of the sampled tokens (probabilities at the rollout temperature; mean and max over the completion
+    tokens), whatever the loss: the training-inference mismatch plus the policy's drift since each token's behaviour
+    version (the mismatch alone at staleness 0)."""
+    with torch.no_grad():
+        on = mask > 0
+        if not on.any():
+            return {}
+        diff = (logprobs.detach().exp() - behavior.exp()).abs()[on]
+        return {"pi_mu_abs_mean": diff.mean(), "pi_mu_abs_max": diff.max()}

@@ -56,6 +56,9 @@ def test_local_run_advances_versions_and_writes_metrics(tmp_path):
     assert float(ds["train_behavior_version_max"].max()) >= 1
     assert float(ds["train_policy_version"].sel(policy="main").isel(step=-1)) == 5  # the last step trained from v5, then published v6
     assert ds.sizes["eval"] >= 2 and float(ds["eval_version"].isel(eval=0)) == 0
+    # |pi - mu| whatever the loss: the first step trains version 0 on version-0 rollouts (the mismatch alone: tiny)
+    pi_mu = ds["train_pi_mu_abs_mean"].sel(policy="main").values
+    assert pi_mu[0] < 1e-3 and (pi_mu >= 0).all()
     assert 0.0 <= s["accuracy_before"] <= 1.0 and 0.0 <= s["accuracy_after"] <= 1.0
     assert result.files["html"].stat().st_size > 10_000 and result.files["png"].stat().st_size > 5_000
     summary = json.loads(result.files["summary"].read_text())
