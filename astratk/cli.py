@@ -96,6 +96,7 @@ def _status(argv: list[str]) -> int:
     p.add_argument("--scheduler", required=True, help="the scheduler's address (tcp://host:8786)")
     p.add_argument("--name", default=None, help="only this deployment")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the scheduler and each answer")
+    p.add_argument("--config", default=None, help="a run config whose cluster.tls certificates to use (tls://)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -103,9 +104,15 @@ def _status(argv: list[str]) -> int:
     from astratk.runtime.status import status_lines
 
     try:
-        for line in status_lines(args.scheduler, args.name, args.timeout):
+        security = None
+        if args.config:
+            from astratk.config import load_spec
+            from astratk.runtime.cluster import security as tls_security
+
+            security = tls_security(load_spec(args.config, []))
+        for line in status_lines(args.scheduler, args.name, args.timeout, security):
             print(line)
-    except (OSError, TimeoutError) as e:
+    except (OSError, TimeoutError, ValueError) as e:
         print(f"astratk status: {e}", file=sys.stderr)
         return 2
     return 0

@@ -7,14 +7,16 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.0) -> Iterator[str]:
+def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.0, security: Any = None
+                 ) -> Iterator[str]:
     from distributed import Client
 
     from astratk.dataflow.handle import DataLayerHandle
     from astratk.runtime import registry
 
     try:
-        client = Client(scheduler, timeout=timeout_s)  # the default client: fetched actors call through it
+        client = Client(scheduler, timeout=timeout_s, security=security)  # the default client: fetched actors
+        #   call through it; security: the run config's cluster.tls (else Dask's config)
     except OSError as e:
         raise OSError(f"cannot reach the Dask scheduler at {scheduler} within {timeout_s:.0f}s ({e})") from None
     with client:
