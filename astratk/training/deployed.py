@@ -16,6 +16,7 @@ A multi-policy `astratk run` starts one such process per policy.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,16 @@ class DeploymentCallbacks(pl.Callback):
                                        "group_ids": stream.group_ids}))
 
 
+def trainer_defaults(ts: Any) -> dict[str, tuple[Any, Any]]:
+    """Trainer flag -> (Lightning's default, the value from the policy's `trainer:` section), applied to flags the
+    command line left at Lightning's default."""
+    return {"max_steps": (-1, ts.max_steps), "gradient_clip_val": (None, ts.grad_clip or None),
+            "max_time": (None, {"seconds": math.ceil(ts.max_time_s)} if ts.max_time_s else None),  # ints only
+            "num_sanity_val_steps": (None, 0), "log_every_n_steps": (None, 1),
+            "enable_progress_bar": (None, False), "enable_model_summary": (None, False),
+            "enable_checkpointing": (None, bool(ts.checkpoint_every))}
+
+
 def train_cli(args: list[str] | None = None, run: bool = True) -> Any:
     """`astratk train fit ...` (LightningCLI; see the module docstring)."""
     from lightning.pytorch.cli import LightningCLI
@@ -182,12 +193,7 @@ def train_cli(args: list[str] | None = None, run: bool = True) -> Any:
             spec = _policy_spec(cfg.run_config, cfg.policy_id)
             ts = spec.policy(cfg.policy_id).trainer
             t = cfg.trainer
-            defaults = {"max_steps": (-1, ts.max_steps), "gradient_clip_val": (None, ts.grad_clip or None),
-                        "max_time": (None, {"seconds": ts.max_time_s} if ts.max_time_s else None),
-                        "num_sanity_val_steps": (None, 0), "log_every_n_steps": (None, 1),
-                        "enable_progress_bar": (None, False), "enable_model_summary": (None, False),
-                        "enable_checkpointing": (None, bool(ts.checkpoint_every))}
-            for key, (unset, value) in defaults.items():
+            for key, (unset, value) in trainer_defaults(ts).items():
                 if t.get(key) == unset:
                     t[key] = value
             if ts.checkpoint_every and not t.get("callbacks"):

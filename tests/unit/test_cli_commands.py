@@ -24,3 +24,19 @@ def test_deploy_needs_a_scheduler_and_status_names_an_unreachable_one(capsys):
     assert main(["deploy", "--config", "tutorials/quickstart.yaml", "--name"]) == 2
     assert main(["status", "--scheduler", "tcp://127.0.0.1:9", "--timeout", "2"]) == 2
     assert "cannot reach the Dask scheduler at tcp://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_trainer_flags_from_the_policy_pass_lightning_cli_validation():
+    """The values `astratk train fit` fills in from `trainer:` must be valid Trainer arguments for LightningCLI's
+    parser (a float in max_time's dict failed there: dict[str, int])."""
+    import lightning.pytorch as pl
+    from jsonargparse import ArgumentParser
+
+    from astratk.spec import TrainerSpec
+    from astratk.training.deployed import trainer_defaults
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(pl.Trainer, "trainer")
+    values = {k: v for k, (_, v) in trainer_defaults(TrainerSpec(max_time_s=150.0, checkpoint_every=2)).items()}
+    cfg = parser.parse_object({"trainer": values})
+    assert cfg.trainer.max_time == {"seconds": 150} and cfg.trainer.max_steps == 200
