@@ -16,11 +16,13 @@ sequences and tokens, in micro-batches of `--micro` sequences (gradient accumula
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 
 import torch
+from _profile import peak_tensor_mb  # bench/ is on sys.path: the script runs as python bench/<name>.py
 
 # (label, registry short name, constructor kwargs)
 VARIANTS: list[tuple[str, str, dict]] = [
@@ -95,22 +97,6 @@ def time_losses(variants, b: int, t: int, repeats: int) -> dict[str, float]:
     return {label: statistics.median(ts) for label, ts in times.items()}
 
 
-def peak_memory_mb(loss, inputs) -> float:
-    """Peak MB of tensor memory allocated during one forward+backward above what was live before it: the running sum
-    of the profiler's allocation/free events (torch's own CPU allocations, exact, unlike resident-set peaks)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run_loss(loss, inputs)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 def saved_memory_mb(loss, inputs) -> float:
     """MB of distinct tensor storage autograd keeps from forward to backward (the loss's activation memory), counted
     with saved-tensor hooks: deterministic, unlike resident-set peaks on CPU, which allocator reuse blurs."""
@@ -175,7 +161,8 @@ def main() -> None:
     variants = available()
     times = time_losses(variants, args.batch, args.length, args.repeats)
     inputs = make_inputs(args.batch, args.length)
-    peaks = {label: peak_memory_mb(build(name, kw), inputs) for label, name, kw in variants}
+    peaks = {label: peak_tensor_mb(functools.partial(run_loss, build(name, kw), inputs))
+             for label, name, kw in variants}
     mems = {label: saved_memory_mb(build(name, kw), inputs) for label, name, kw in variants}
     step = None if args.no_step else training_step_seconds(args.batch, args.length, args.micro, args.model)
     base_t, base_m, base_p = times["ppo_clip"], max(mems["ppo_clip"], 1e-9), max(peaks["ppo_clip"], 1e-9)

@@ -31,6 +31,8 @@ import statistics
 import time
 from pathlib import Path
 
+from _profile import peak_tensor_mb  # bench/ is on sys.path: the script runs as python bench/<name>.py
+
 
 def make_batch(b: int, max_len: int, vocab: int, min_len: int = 64, seed: int = 0):
     """b right-padded sequences of min_len..max_len tokens, 16-token prompts, behaviour log-probs near uniform."""
@@ -61,20 +63,6 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_tensor_mb(step) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 def measure(model_path: str, loss_name: str, budget: int | None, b: int, min_len: int, max_len: int,
             repeats: int) -> dict:
     """Runs in a fresh process: one (loss, budget) configuration."""
@@ -103,7 +91,7 @@ def measure(model_path: str, loss_name: str, budget: int | None, b: int, min_len
     step()
     rss_peak_mb = (_rss_kb("VmHWM") - before) / 1024
     grads = {n: p.grad.clone() for n, p in module.model.named_parameters()}
-    tensor_peak_mb = _peak_tensor_mb(step)
+    tensor_peak_mb = peak_tensor_mb(step)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
