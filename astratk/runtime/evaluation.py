@@ -90,7 +90,8 @@ class Evaluator:
                 for pid in self.policy_ids}
         every = self.espec.every_versions
         last_time = time.monotonic()
-        while not self._stop.wait(0.5):
+        poll_s = min(1.0, self.espec.interval_s) if every is not None else self.espec.interval_s  # store reads
+        while not self._stop.wait(poll_s):
             due = self.due_versions()
             if due is None or due == last:
                 continue
