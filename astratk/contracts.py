@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -39,8 +39,13 @@ class SamplingParams:
     # Generation also ends at the token whose decoded text completes one of these strings (searched in the generated
     # text only, not the prompt); that token is kept, as a stop token is. Needs an engine with a tokenizer.
     stop: tuple[str, ...] = ()
+    # n > 1: n independent samples of the prompt, returned one after another in the request's place (see
+    # `expand_samples`); sample j is seeded with seed + j when a seed is given.
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.max_tokens < 1:
@@ -69,9 +74,27 @@ class Completion:
     topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
 
+def expand_samples(requests: Sequence[GenerationRequest]) -> list[GenerationRequest]:
+    """Requests with `params.n = k` become k requests with n = 1 (seeds seed, seed + 1, ... when seeded), in place:
+    an engine returns `sum(r.params.n for r in requests)` completions, each request's samples together, in order."""
+    out: list[GenerationRequest] = []
+    for r in requests:
+        if r.params.n == 1:
+            out.append(r)
+            continue
+        seed = r.params.seed
+        for j in range(r.params.n):
+            params = replace(r.params, n=1, seed=None if seed is None else seed + j)
+            out.append(GenerationRequest(r.prompt_ids, params))
+    return out
+
+
 @runtime_checkable
 class Engine(Protocol):
-    """One model at one weight version. Concurrent `generate` calls are merged into batches by the engine."""
+    """One model at one weight version. Concurrent `generate` calls are merged into batches by the engine.
+
+    `generate` returns one completion per sample, in request order: a request with `params.n = k` has its k samples
+    in its place (`expand_samples`)."""
 
     @property
     def version(self) -> int: ...

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from astratk.contracts import Completion, GenerationRequest, SamplingParams
+from astratk.contracts import Completion, GenerationRequest, SamplingParams, expand_samples
 
 Script = Callable[[tuple[int, ...], SamplingParams], Sequence[int]] | Sequence[Sequence[int]]
 
@@ -64,7 +64,7 @@ class ScriptedEngine:
         return self._tokenizer
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        return [self._complete(r) for r in requests]
+        return [self._complete(r) for r in expand_samples(requests)]
 
     def load_weights(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
         names = state.changes if hasattr(state, "changes") else state  # a SparseDelta: the names it changes

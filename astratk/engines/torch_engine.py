@@ -46,7 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from astratk.contracts import Completion, GenerationRequest
+from astratk.contracts import Completion, GenerationRequest, expand_samples
 from astratk.models.loading import load_causal_lm
 from astratk.training.logprobs import logprobs_from_logits
 from astratk.weights.delta import SparseDelta, apply_delta
@@ -244,8 +244,8 @@ class TorchEngine:
         return dict(self._stats)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future:
-        """Queue requests from any thread; the future resolves to their completions, in order."""
-        call = _Call(list(requests))
+        """Queue requests from any thread; the future resolves to their completions, in order (n per request)."""
+        call = _Call(expand_samples(requests))
         for r in call.requests:
             self._validate(r)
         if not call.requests:

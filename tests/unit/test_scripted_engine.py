@@ -33,6 +33,13 @@ def test_callable_script_sees_prompt_and_params():
     assert c.token_ids == (3, 5) and engine.tokenizer == "tok"
 
 
+def test_n_samples_expand_in_place_with_consecutive_seeds():
+    engine = ScriptedEngine(None, lambda prompt, params: [params.seed if params.seed is not None else 99])
+    got = gen(engine, [req(seed=5, n=3), req(max_tokens=1), req(n=2)])
+    assert [c.token_ids for c in got] == [(5,), (6,), (7,), (99,), (99,), (99,)]
+    assert all(r.params.n == 1 for r in engine.requests) and len(engine.requests) == 6
+
+
 def test_stops_truncation_and_finish_reason():
     engine = ScriptedEngine(None, [[5, 6, 7, 6, 8]])
     stop, budget, both, plain = gen(engine, [req(stop_token_ids=(6,)), req(max_tokens=2), req(max_tokens=2,

@@ -263,6 +263,21 @@ def test_seed_reproducible_whatever_the_batch(engine, model, prompts):
         assert [c.token_ids for c in gen(a, unseeded)] == [c.token_ids for c in gen(b, unseeded)]
 
 
+def test_n_samples_are_seeded_requests_in_place(engine, prompts):
+    """`SamplingParams.n = 4` returns 4 completions in the request's place, equal to 4 requests seeded 9..12."""
+    many = gen(engine, [req(prompts[0], max_tokens=3), req(prompts[1], max_tokens=10, seed=9, n=4),
+                        req(prompts[2], max_tokens=3)])
+    assert len(many) == 6 and len(many[0].token_ids) == len(many[5].token_ids) == 3
+    samples = many[1:5]
+    single = gen(engine, [req(prompts[1], max_tokens=10, seed=9 + j) for j in range(4)])
+    assert [c.token_ids for c in samples] == [c.token_ids for c in single]
+    assert len({c.token_ids for c in samples}) == 4  # different samples, not one sample four times
+    unseeded = gen(engine, [req(prompts[1], max_tokens=10, n=3)])
+    assert len(unseeded) == 3 and len({c.token_ids for c in unseeded}) == 3
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
+
+
 # ------------------------------------------------------------------------------------------------- (e) batching
 
 
@@ -544,3 +559,56 @@ def test_hundreds_of_multi_turn_episodes_from_threads(engine, prompts):
     assert not any(t.is_alive() for t in threads), "episodes deadlocked"
     assert sorted(map(len, results)) == [100, 100, 100] and all(n == 12 for r in results for n in r)
     assert engine.stats["requests"] == 900 and engine.stats["batches"] < 90  # merged, not one batch per call
+
+
+def test_hundreds_of_episodes_while_weights_load(model, prompts):
+    """300 episodes from 3 threads while another thread alternates two weight states every ~50 ms: no deadlock,
+    every completion comes from one version, and its tokens are that version's (checked against reference engines)."""
+    states = {1: {k: v.clone() for k, v in tiny_model(1).state_dict().items()},
+              2: {k: v.clone() for k, v in model.state_dict().items()}}
+    served: list[tuple[GenerationRequest, object]] = []
+    stop = threading.Event()
+    with TorchEngine.from_model(copy.deepcopy(model), batch_window_s=0.005) as engine:
+
+        def loader() -> None:
+            version = 0
+            while not stop.is_set():
+                version += 1
+                engine.load_weights(states[2 - version % 2], version)
+                time.sleep(0.05)
+
+        async def episode(i: int) -> None:
+            ids = list(prompts[i % 4])
+            for turn in range(2):
+                r = req(tuple(ids), max_tokens=3, seed=i * 5 + turn)
+                [c] = await engine.generate([r])
+                served.append((r, c))
+                ids += list(c.token_ids)
+
+        def loop(lo: int) -> None:
+            async def many():
+                await asyncio.gather(*(episode(i) for i in range(lo, lo + 100)))
+            asyncio.run(many())
+
+        load_thread = threading.Thread(target=loader, daemon=True)
+        load_thread.start()
+        threads = [threading.Thread(target=loop, args=(lo,)) for lo in (0, 100, 200)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        stop.set()
+        load_thread.join(timeout=30)
+        assert not any(t.is_alive() for t in threads) and not load_thread.is_alive(), "episodes or loads deadlocked"
+        assert engine.version >= 3, "the loader never got between batches"
+    assert len(served) == 600
+    versions = {c.versions[0] for _, c in served}
+    assert len(versions) >= 3 and all(len(set(c.versions)) == 1 for _, c in served)
+    by_state: dict[int, list[tuple[GenerationRequest, object]]] = {0: [], 1: []}
+    for r, c in served:
+        by_state[c.versions[0] % 2].append((r, c))  # odd versions: model 1's weights; even ones: the start model's
+    with TorchEngine.from_model(tiny_model(1)) as odd, TorchEngine.from_model(copy.deepcopy(model)) as even:
+        for parity, ref in ((1, odd), (0, even)):
+            sample = by_state[parity][:40]
+            want = gen(ref, [r for r, _ in sample])
+            assert [c.token_ids for _, c in sample] == [w.token_ids for w in want]
