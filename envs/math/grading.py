@@ -17,7 +17,8 @@ in a Dask task thread `parse` raises ValueError unless `parsing_timeout=None`, a
 past 10 s against the gold `1` (we stopped it there) while sympy works on the tower; and SIGALRM only interrupts Python
 between bytecodes, so a long C-level operation (a big-integer power) would not be cut short anyway. So the call is
 bounded at process level: a persistent child process grades one answer at a time; when it overruns `timeout_s` it is
-killed (and started again on the next call), the answer scores 0 and `timeouts` counts it. The child is a plain
+killed (and started again on the next call), `timeouts` counts it, and the answer scores by the exact-match
+fallback alone (1 only when its normalised string equals the gold's). The child is a plain
 `subprocess`, not `multiprocessing`: Dask workers are daemonic processes, and multiprocessing refuses to start a child
 from one (`AssertionError: daemonic processes are not allowed to have children`, seen here with spawn, forkserver and
 fork). The child loads this file by path, so it imports no torch; it exits when its stdin closes or its parent dies.
@@ -299,12 +300,13 @@ class MathGrader:
 
     # ---------------------------------------------------------------------------------------------- public
     def grade(self, gold: str, text: str) -> float:
-        """1.0 if `text`'s final answer (module docstring) equals `gold`, else 0.0 (also on timeout or no answer)."""
+        """1.0 if `text`'s final answer (module docstring) equals `gold`, else 0.0 (no answer; on a timeout only an
+        answer identical to the gold after normalising scores)."""
         return self.grade_outcome(gold, text)[0]
 
     def grade_outcome(self, gold: str, text: str) -> tuple[float, str]:
         """(reward, outcome); the outcome is one of `OUTCOMES`: 'verified' (math-verify decided), 'exact_fallback',
-        'no_answer', 'timeout' or 'child_error' (the last three score 0)."""
+        'no_answer' (scores 0), 'timeout' or 'child_error' (math-verify gave no verdict: scored by exact match)."""
         answer = final_answer(text)
         if answer is None:
             self._count("graded", "no_answer")
@@ -315,8 +317,8 @@ class MathGrader:
             result = verdict(gold.strip(), answer.strip())
         else:
             result = self._ask_child(gold, answer)
-        if result in ("timeout", "child_error"):
-            return 0.0, result
+        if result in ("timeout", "child_error"):  # math-verify gave no verdict: only identical answers score
+            return float(normalize(gold) != "" and normalize(gold) == normalize(answer)), result
         if result == "unparsed":
             self._count("exact_fallback")
             return float(normalize(gold) != "" and normalize(gold) == normalize(answer)), "exact_fallback"

@@ -101,11 +101,15 @@ def load_math_jsonl(path: str, format: str = "auto") -> list[MathExample]:
         raise ValueError(f"unknown format {format!r}; choose 'auto' or one of {sorted(FORMATS)}")
     fmt = None if format == "auto" else format
     rows: list[MathExample] = []
-    with fsspec.open(path, "rt", encoding="utf-8") as f:
-        for line, raw in enumerate(f, start=1):
+    with fsspec.open(path, "rb") as f:  # bytes, decoded per line: a text reader would blame the wrong line
+        for line, data in enumerate(f, start=1):
+            where = f"{path}:{line}"
+            try:
+                raw = data.decode("utf-8-sig" if line == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not raw.strip():
                 continue
-            where = f"{path}:{line}"
             try:
                 row = json.loads(raw)
             except json.JSONDecodeError as e:

@@ -7,7 +7,8 @@ verifier 1 if its verdict matches the truth of the answer it judged (a reply wit
 
 Roles are `solver` and `verifier`; which policy plays each is configuration (`PolicySpec.roles`), so one shared policy
 or two separate ones run the same code. The judged answer's truth is graded during the rollout (the base env's
-`grade`, a cheap CPU function) and carried in the verifier trajectory's metrics, so `score` needs no other process.
+`grade`, in a thread off the event loop: a math-verify grading can take up to its timeout) and carried in the verifier
+trajectory's metrics, so `score` needs nothing but the trajectories.
 
 Example:
     >>> env = SolverVerifierEnv(base=ArithmeticEnv(levels=[1, 2]))  # doctest: +SKIP
@@ -17,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -92,7 +94,9 @@ class SolverVerifierEnv(Env):
         solver = Conversation.start(solver_engine.tokenizer, self.messages(task), self.budget,
                                     chat=self._chat_for(solver_engine.tokenizer))
         first = await solver.assistant_turn(solver_engine, sampling)
-        judged_correct = self.base.grade(task, first.text)
+        # graded in a thread: a math-verify grading may take up to its timeout, which must not stall the episodes
+        # sharing this event loop
+        judged_correct = await asyncio.to_thread(self.base.grade, task, first.text)
 
         verifier = Conversation.start(verifier_engine.tokenizer, self.verifier_messages(task, first.text),
                                       Budget(max_turns=1, max_context=self.budget.max_context),

@@ -176,15 +176,16 @@ class SlowGrader(MathGrader):
     _child_delay_s = 30.0  # every child comparison sleeps: a verify that hangs
 
 
-def test_a_hanging_verify_times_out_scores_zero_and_is_counted():
+def test_a_hanging_verify_times_out_falls_back_to_exact_match_and_is_counted():
     g = SlowGrader(timeout_s=0.5)
     try:
         assert g.grade("42", "42") == 1.0  # plain numbers never reach the child
         start = time.monotonic()
-        assert g.grade("x^2", "\\boxed{x^2}") == 0.0  # right, but too slow
+        assert g.grade("x^2", "\\boxed{x+1}") == 0.0  # math-verify never answered; the strings differ
         assert time.monotonic() - start < 10  # cut off, not waited out (generous: includes the child's start)
         assert g.counts["timeouts"] == 1 and g._child is None  # killed; the next call starts a new one
-        assert g.grade_outcome("x^2", "\\boxed{x^2}") == (0.0, "timeout")
+        # the same string as the gold scores 1 by the exact-match fallback, even though math-verify timed out
+        assert g.grade_outcome("x^2", "\\boxed{ x^2 }") == (1.0, "timeout")
         assert g.counts["timeouts"] == 2 and g.counts["child_starts"] == 2
     finally:
         g.close()
@@ -321,6 +322,15 @@ def test_malformed_files_are_rejected_with_file_and_line(tmp_path, raw, fmt, mes
     path = write(tmp_path, "bad.jsonl", None, raw=raw)
     with pytest.raises(ValueError, match="bad.jsonl" + message if message != "no rows" else "bad.jsonl: no rows"):
         load_math_jsonl(path, fmt)
+
+
+def test_undecodable_bytes_are_named_with_their_line(tmp_path):
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b'{"question": "q", "answer": "#### 1"}\n\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError, match=r"bytes.jsonl:3: not UTF-8 text"):
+        load_math_jsonl(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1?", "answer": 2}\n')  # a byte-order mark is fine
+    assert load_math_jsonl(str(path))[0].answer == "2"
 
 
 def test_unknown_format_lists_choices(tmp_path):

@@ -33,8 +33,8 @@ def scripted(first: str, verdict: str, second: str = "") -> ScriptedEngine:
     return ScriptedEngine(TOK, script)
 
 
-def episode(env, engine, task):
-    return asyncio.run(env.rollout(task, {"solver": engine, "verifier": engine}, SamplingParams(max_tokens=16),
+def episode(env, engine, task, max_tokens: int = 16):
+    return asyncio.run(env.rollout(task, {"solver": engine, "verifier": engine}, SamplingParams(max_tokens=max_tokens),
                                    policy_ids={"solver": "a", "verifier": "b"}, group_id="lease/0"))
 
 
@@ -132,3 +132,45 @@ def test_warm_start_batches_hold_both_roles_and_collate_keeps_roles():
     assert TOK.decode(p3).endswith("REJECT Try again.<|im_end|>\n<|im_start|>assistant\n")
     assert TOK.decode(c1) == task.info["answer"] + "<|im_end|>"
     assert TOK.decode(c2) in ("ACCEPT<|im_end|>", "REJECT<|im_end|>") and "Check:" in TOK.decode(p2)
+
+
+def test_latex_answers_over_a_jsonl_base_graded_off_the_event_loop(tmp_path):
+    """A MATH-style base (math-verify grading, LaTeX answers): equivalent forms are right, and the rollout grades the
+    judged answer in a worker thread, never on the event loop the episodes share."""
+    import json
+    import threading
+
+    from astratk.envs.math.jsonl import MathJsonlEnv
+
+    for name, problem in (("train", "Simplify 3/6."), ("test", "Simplify 2/4.")):
+        row = {"problem": problem, "solution": "It is $\\boxed{\\frac{1}{2}}$."}
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    base = MathJsonlEnv(str(tmp_path / "train.jsonl"), str(tmp_path / "test.jsonl"), format="math")
+    graded_in: list[tuple[str, bool]] = []
+    grade = base.grade
+
+    def recording_grade(task, text):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        graded_in.append((threading.current_thread().name, on_loop))
+        return grade(task, text)
+
+    base.grade = recording_grade
+    env = SolverVerifierEnv(base, max_context=512)
+    task = next(iter(env.tasks("heldout")))
+    cases = [  # (first answer, verdict, retry answer) -> (solver reward, verifier reward)
+        (("\\boxed{\\frac{2}{4}}", "ACCEPT", ""), (1.0, 1.0)),  # equivalent LaTeX: right, rightly accepted
+        (("\\boxed{0.5}", "REJECT", "\\boxed{1/3}"), (0.0, 0.0)),  # wrongly rejected, then wrong
+        (("\\boxed{\\frac{1}{3}}", "REJECT", "\\boxed{\\tfrac{1}{2}}"), (1.0, 1.0)),
+    ]
+    try:
+        for (first, verdict, second), expected in cases:
+            solver, verifier = episode(env, scripted(first, verdict, second), task, max_tokens=32)
+            assert tuple(env.score(task, [solver, verifier])) == expected, (first, verdict, second)
+    finally:
+        base.grader.close()
+    rollout_grades = graded_in[::2]  # each case: one grading in the rollout, then the solver's in score()
+    assert len(graded_in) == 6 and not any(on_loop for _, on_loop in rollout_grades), graded_in
