@@ -28,6 +28,9 @@ from astratk.rollout.tasks import admit_task, rollout_task, score_task
 from astratk.runtime.cluster import count_workers
 
 log = logging.getLogger(__name__)
+# Scoring (graders, code sandboxes) runs on workers labelled `score`: rollout workers by default
+# (`astratk.runtime.pools.rollout_labels`); a pool class with `resources: {score: 1}` alone makes sandbox-only workers.
+SCORE_RESOURCES = {"score": 1}
 
 
 class Acquisition:
@@ -91,7 +94,7 @@ class Acquisition:
             chunk = leases[i:i + per_chunk]
             rolled = self.client.submit(rollout_task, self.ctx, chunk, resources=resources, pure=False,
                                         key=f"rollout-{self.ctx.run_id}-{chunk[0].lease_id}-{chunk[0].attempt}")
-            scored = self.client.submit(score_task, self.ctx, rolled, resources={"score": 1}, pure=False)
+            scored = self.client.submit(score_task, self.ctx, rolled, resources=SCORE_RESOURCES, pure=False)
             admitted = self.client.submit(admit_task, scored, self.datalayer, pure=False)
             self._inflight[admitted] = [(lease.lease_id, lease.attempt) for lease in chunk]
             self.counts["acquisition/chunks_submitted"] += 1
