@@ -64,7 +64,8 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
     spec = ctx.spec
     wait_for_workers(client, ["control"], 1, timeout_s)
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
-    wait_for_workers(client, need + ["score"], 1, timeout_s)
+    wait_for_workers(client, need, 1, timeout_s)
+    wait_for_workers(client, ["score"], 1, timeout_s)  # the same workers, or sandbox-only ones (docs/cluster.md)
     store = WeightStore.from_spec(ctx.store_url, spec.weights)
 
     def start(restore_from: tuple[str, str | None] | None) -> Any:

@@ -67,3 +67,18 @@ def test_code_leases_are_scored_on_the_sandbox_worker(tmp_path):
         assert t.metrics["code/infra_error"] == 0.0
     assert not os.path.exists(marker)
     host_is_fine()
+
+
+def test_a_run_with_rollout_only_and_score_only_pools_trains(tmp_path):
+    """The whole path with split labels: `deploy` waits for the rollout and the score labels separately, every chunk
+    is rolled out on the rollout worker and scored on the scoring one, and training finishes."""
+    from astratk.runtime.run import Run
+    from astratk.spec import WorkerClass
+    from tests.integration.test_local_run import small_spec
+
+    spec = small_spec(tmp_path, max_steps=3)
+    spec.cluster.pools = [WorkerClass("gen", 1, resources={"rollout_main": 1}),
+                          WorkerClass("sandbox", 1, resources=dict(SCORE_RESOURCES))]
+    result = Run(spec.validate(), printer=lambda line: None).start()
+    assert result.summary["steps"] == 3 and result.summary["final_version"] == 3
+
