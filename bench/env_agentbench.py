@@ -4,11 +4,11 @@ For each env a `ScriptedEngine` plays fixed replies (no model time), so an episo
 chat encoding, the game or database step, and the thread hops that keep the event loop free. The baseline plays
 the same number of turns through a bare `Conversation` with a constant environment message.
 
-    python bench/env_agentbench.py            # household (needs textworld) and db
+    python bench/env_agentbench.py            # household (needs textworld; ALFWorld games need fast_downward) and db
     python bench/env_agentbench.py --episodes 50 --concurrency 8
 
-Figures: game generation (first game in a process, then each), a live game's open/step/close, a read-only query,
-and ms per turn for sequential episodes and for `--concurrency` episodes gathered on one event loop (as a rollout
+Figures: game generation (first game in a process, then each), a live game's open/step/close (an ALFWorld .tw-pddl
+game: the first open loads a copy of the planner library, later opens reuse it), a read-only query, and ms per turn for sequential episodes and for `--concurrency` episodes gathered on one event loop (as a rollout
 service runs a group).
 """
 
@@ -104,6 +104,33 @@ def household(rows: list[tuple[str, str]], n: int, concurrency: int, cache: str)
     rows.append((f"household: {concurrency} concurrent episodes", f"{per_turn:.2f} ms/turn"))
 
 
+def alfworld(rows: list[tuple[str, str]], n: int, concurrency: int, cache: str) -> None:
+    import json
+    from pathlib import Path
+
+    from astratk.envs.agentbench.games import LiveGame, alfworld_example
+    from astratk.envs.agentbench.household import HouseholdEnv
+
+    games = Path(cache) / "alfworld"
+    games.mkdir()
+    for goal in ("cabinet", "sink"):
+        (games / f"{goal}.tw-pddl").write_text(json.dumps(alfworld_example(goal)))
+    path = games / "sink.tw-pddl"
+    rows.append(("alfworld: open + reset + close, first (loads the planner)",
+                 f"{timed(lambda: LiveGame(path).close()):.1f} ms"))
+    rows.append(("alfworld: open + reset + close, pooled planner", f"{timed(lambda: LiveGame(path).close(), 20):.1f} ms"))
+    game = LiveGame(path)
+    rows.append(("alfworld: one game step", f"{timed(lambda: game.step('go to table'), 200):.2f} ms"))
+    game.close()
+    env = HouseholdEnv(games_dir=str(games), n_heldout=1, seed=0, max_turns=15)
+    task = next(iter(env.tasks("heldout")))
+    look = ["<action>go to table</action>"]
+    per_turn, turns = asyncio.run(episodes(env, task, look, n, 1))
+    rows.append((f"alfworld: episode of {turns:.0f} turns, sequential", f"{per_turn:.2f} ms/turn"))
+    per_turn, _ = asyncio.run(episodes(env, task, look, n, concurrency))
+    rows.append((f"alfworld: {concurrency} concurrent episodes (PDDL calls serialised)", f"{per_turn:.2f} ms/turn"))
+
+
 def database(rows: list[tuple[str, str]], n: int, concurrency: int, cache: str) -> None:
     from astratk.envs.agentbench.db import DatabaseEnv, run_query
 
@@ -136,6 +163,10 @@ def main() -> None:
         database(rows, args.episodes, args.concurrency, cache)
         if importlib.util.find_spec("textworld"):
             household(rows, args.episodes, args.concurrency, cache)
+            if importlib.util.find_spec("fast_downward"):
+                alfworld(rows, args.episodes, args.concurrency, cache)
+            else:
+                rows.append(("alfworld", "skipped: pip install -e '.[agentbench]'"))
         else:
             rows.append(("household", "skipped: pip install textworld==1.7.0"))
     width = max(len(name) for name, _ in rows)

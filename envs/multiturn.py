@@ -6,11 +6,13 @@ template's prompt, appends each assistant completion exactly as sampled (loss ma
 and appends environment or tool output as the chat template would render the next message (loss mask 0, log-prob
 0, version -1). The tokens between an assistant's content and the next generation prompt are derived once per
 tokenizer and role from the template itself (`ChatTurns`), so any template with a fixed turn separator works.
+Several messages after one assistant turn (one per tool call) are rendered together, as the template would render
+them (Qwen2.5 merges consecutive tool messages into one user turn of `<tool_response>` blocks).
 
 Example:
-    >>> conv = Conversation(tok, [{"role": "user", "content": "2+2?"}], Budget(max_turns=3))  # doctest: +SKIP
+    >>> conv = Conversation.start(tok, [{"role": "user", "content": "2+2?"}], Budget(max_turns=3))  # doctest: +SKIP
     >>> turn = await conv.assistant_turn(engine, sampling)  # doctest: +SKIP
-    >>> for call in parse_tool_calls(turn.text): conv.add_message("tool", run(call))  # doctest: +SKIP
+    >>> for call in parse_tool_calls(turn.text): conv.add_message("tool", run(call), tool_call=True)  # doctest: +SKIP
     >>> trajectory = conv.trajectory(task, group_id=gid, policy_id=pid, role="solver")  # doctest: +SKIP
 """
 
@@ -66,19 +68,19 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON
     or a missing name gives a `ToolCall` with `error` set, so the env can answer it instead of silently ignoring it."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        raw = m.group(1).strip()
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", None, raw, f"invalid JSON: {e.msg} at {e.pos}"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            calls.append(ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}'))
-            continue
-        calls.append(ToolCall(obj["name"], obj.get("arguments", {}), raw))
-    return calls
+    return [parse_tool_call(m.group(1)) for m in _TOOL_CALL.finditer(text)]
+
+
+def parse_tool_call(raw: str) -> ToolCall:
+    """One call's JSON, the content of a `<tool_call>` tag (see `parse_tool_calls`)."""
+    raw = raw.strip()
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ToolCall("", None, raw, f"invalid JSON: {e.msg} at {e.pos}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}')
+    return ToolCall(obj["name"], obj.get("arguments", {}), raw)
 
 
 def parse_tags(text: str, names: Iterable[str]) -> list[tuple[str, str]]:
@@ -143,6 +145,22 @@ class ChatTurns:
         before, after = self._frame(role)
         return self.close[len(produced_close):] + before + content + after
 
+    def continuation_of(self, messages: Sequence[Mapping[str, str]], produced_close: str) -> str:
+        """`continuation` for several messages in a row, rendered together by the template (which may merge them)."""
+        if len(messages) == 1:
+            return self.continuation(messages[0]["role"], messages[0]["content"], produced_close)
+        for m in messages:
+            self._frame(m["role"])  # each role must render as a plain continuation (raises the clear error)
+        head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
+        full = self.tokenizer.apply_chat_template(head + [dict(m) for m in messages], tokenize=False,
+                                                  add_generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template does not render several messages after an assistant turn as a plain "
+                             "continuation; multi-turn envs need a template with fixed turn separators")
+        if not self.close.startswith(produced_close):
+            produced_close = ""
+        return self.close[len(produced_close):] + full[len(self._base):]
+
 
 # -------------------------------------------------------------------------------------------------- conversation
 
@@ -174,6 +192,9 @@ class Conversation:
         "turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0, "truncated_turns": 0.0, "env_tokens": 0.0,
         "env_truncations": 0.0, "policy_tokens": 0.0, "context_exhausted": 0.0})
     _last_close: str = ""
+    # Messages appended since the last assistant turn, and where their tokens start: a further message re-renders them.
+    _pending: list[dict[str, str]] = field(default_factory=list)
+    _tail: int = 0
 
     @classmethod
     def start(cls, tokenizer: Any, messages: Sequence[Mapping[str, str]], budget: Budget = Budget(), *,
@@ -221,6 +242,7 @@ class Conversation:
         truncated = c.finish_reason != "stop"
         ended = c.token_ids[-1] if n and not truncated else None
         self._last_close = (self.tokenizer.convert_ids_to_tokens(ended) or "") if ended is not None else ""
+        self._pending = []
         text = self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True)
         self.texts.append(text)
         m = self.metrics
@@ -232,16 +254,26 @@ class Conversation:
         return Turn(text, c, truncated)
 
     def add_message(self, role: str, content: str, *, tool_call: bool = False, tool_error: bool = False) -> int:
-        """Append an environment/tool/user message (loss mask 0) and the next generation prompt; returns tokens added.
-        Content longer than `budget.max_env_tokens` is cut (counted in `env_truncations`); if the whole message does
-        not fit the context, what fits is kept and the conversation ends (`context_exhausted`)."""
-        ids = self._encode(self.turns_api.continuation(role, content, self._last_close))
-        frame_only = self.turns_api.frame_tokens(role, self._last_close, self._encode)
+        """Append an environment/tool/user message (loss mask 0) and the next generation prompt; returns the tokens
+        added. Content longer than `budget.max_env_tokens` is cut (counted in `env_truncations`); if the message does
+        not fit the context, what fits is kept and the conversation ends (`context_exhausted`). A further message
+        before the next assistant turn replaces the tokens of this run with the template's rendering of all of them."""
+        close = self._last_close
+        before = len(self.tokens)
+        if self._pending:
+            self._retract()
+        else:
+            self._tail = before
+        ids = self._encode(self.turns_api.continuation(role, content, close))
+        frame_only = self.turns_api.frame_tokens(role, close, self._encode)
         if len(ids) - len(frame_only) > self.budget.max_env_tokens:
             content_ids = self._encode(content)[: self.budget.max_env_tokens]
             content = self.tokenizer.decode(content_ids, skip_special_tokens=False) + " ...[truncated]"
-            ids = self._encode(self.turns_api.continuation(role, content, self._last_close))
+            ids = self._encode(self.turns_api.continuation(role, content, close))
             self.metrics["env_truncations"] += 1
+        self._pending.append({"role": role, "content": content})
+        if len(self._pending) > 1:
+            ids = self._encode(self.turns_api.continuation_of(self._pending, close))
         if len(ids) >= self.room:  # the next turn would have no room at all
             ids = ids[: max(0, self.room)]
             self.metrics["context_exhausted"] = 1.0
@@ -250,11 +282,23 @@ class Conversation:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
         self._extend_topk((), (), len(ids))
-        self._last_close = ""
         self.metrics["env_tokens"] += len(ids)
+        self.record_tool_call(tool_call, tool_error)
+        return len(self.tokens) - before
+
+    def record_tool_call(self, tool_call: bool = True, tool_error: bool = False) -> None:
+        """Count a tool/environment call; `add_message` does it for the output it appends. Call it directly for a
+        call whose output is never appended (the action that ends the episode)."""
         self.metrics["tool_calls"] += float(tool_call)
         self.metrics["tool_errors"] += float(tool_error)
-        return len(ids)
+
+    def _retract(self) -> None:
+        """Drop the tokens of the messages since the last assistant turn (env tokens no engine has seen yet)."""
+        n, at = len(self.tokens) - self._tail, self._tail - self.n_prompt  # per-token lists cover the completion
+        del self.tokens[self._tail:]
+        for seq in (self.loss_mask, self.logprobs, self.versions, self.topk_ids, self.topk_logprobs):
+            del seq[at:]  # top-K lists are empty or as long as the mask
+        self.metrics["env_tokens"] -= n
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

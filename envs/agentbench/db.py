@@ -16,8 +16,8 @@ A user's tasks: `tasks_file`, a JSONL file with one task per line (blank lines s
 
 `db_path` is relative to the JSONL file; `rows` maps a table to positional rows; `answer` is a value or a list of
 values; `ordered` (default false) says whether a list's order counts; `sql` (optional) is a gold query, used as the
-demonstration. A malformed line raises ValueError naming the file and its 1-based line. `n_heldout` lines drawn with
-the seed are held out, or all of `heldout_file`'s when it is given.
+demonstration. The file is UTF-8; a malformed line (bad bytes included) raises ValueError naming the file and its
+1-based line. `n_heldout` lines drawn with the seed are held out, or all of `heldout_file`'s when it is given.
 
 Databases are materialised once per content key (sha256 of schema and rows) as `<cache>/sqlite/db-<key>.sqlite`: a
 temporary file renamed into place, so readers never see a partial file and racing writers are harmless. A user's
@@ -26,11 +26,15 @@ temporary file renamed into place, so readers never see a partial file and racin
 Episode
 -------
 The first user message holds the instructions, the schema (the CREATE statements) and the question. In each
-assistant turn the first `<sql>...</sql>` or `<answer>...</answer>` tag counts. SQL runs read-only: the database is
+assistant turn the first `<sql>...</sql>` or `<answer>...</answer>` tag counts, or a Hermes/Qwen JSON tool call in
+its place: `<tool_call>{"name": "sql", "arguments": {"query": "SELECT ..."}}</tool_call>` runs the query (a
+malformed call, or another tool, is answered with what is wrong and counted in `tool_errors`; the prompt teaches the
+tags, so a tool-calling setup describes the tool in `system_prompt`). SQL runs read-only: the database is
 opened with `mode=ro` and an authorizer allows only reads (SELECT, read-only PRAGMAs such as table_info), so writes,
 DDL, ATTACH and transactions fail with an error; a progress handler stops a query after `time_limit_s`; at most
-`max_rows` rows are fetched. The result (a header and rows, or the error) comes back as the next user message (loss
-mask 0). An answer ends the episode; otherwise it ends after `max_turns` assistant turns.
+`max_rows` rows are fetched. The result (a header and rows, or the error) comes back as the next message (loss mask
+0), from `result_role`: "user" (any chat template) or "tool" (a template with a tool role; Qwen2.5 renders it as a
+user turn of `<tool_response>`). An answer ends the episode; otherwise it ends after `max_turns` assistant turns.
 
 Reward
 ------
@@ -58,16 +62,13 @@ import os
 import random
 import re
 import sqlite3
-import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.envs.agentbench.household import cache_root
-from astratk.envs.multiturn import Budget, Conversation, parse_tags
+from astratk.envs.agentbench.sql import build_database, materialise, run_query, schema_text
+from astratk.envs.multiturn import Budget, Conversation, parse_tags, parse_tool_call
 from astratk.records import Task, Trajectory
 
 INSTRUCTIONS = ("Answer the question using the SQLite database described below. To run a read-only SQL query, reply "
@@ -75,6 +76,7 @@ INSTRUCTIONS = ("Answer the question using the SQLite database described below. 
                 "reply with <answer>...</answer> (separate several values with commas). One action per turn; you "
                 "have {max_turns} turns.")
 FORMAT_HINT = "No action found. Reply with <sql>SELECT ...</sql> to run a query or <answer>...</answer> to answer."
+SQL_TOOL = '{"name": "sql", "arguments": {"query": "SELECT ..."}}'
 
 # ------------------------------------------------------------------------------------------------- generated data
 
@@ -175,121 +177,6 @@ TEMPLATES = {f.__name__.lstrip("_"): f for f in (_count_dept, _sum_year, _avg_sa
                                                  _depts_over, _top_dept_sales)}
 
 
-# -------------------------------------------------------------------------------------------------- databases
-
-
-def build_database(conn: sqlite3.Connection, spec: Mapping[str, Any]) -> None:
-    """Create the spec's tables and insert its rows (ATTACH refused: a spec writes only its own database)."""
-    no_attach = (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH)
-    conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in no_attach else sqlite3.SQLITE_OK)
-    conn.executescript(spec["schema_sql"])
-    for table, rows in spec.get("rows", {}).items():
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", table):
-            raise ValueError(f"table name {table!r} is not a plain identifier")
-        if rows:
-            conn.executemany(f'INSERT INTO "{table}" VALUES ({", ".join("?" * len(rows[0]))})', rows)
-    conn.commit()
-    conn.set_authorizer(None)
-
-
-def materialise(spec: Mapping[str, Any], cache_dir: str | os.PathLike | None = None) -> Path:
-    """The SQLite file for a spec, written once per content key (temporary file, then an atomic rename)."""
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    final = cache_root(cache_dir) / "sqlite" / f"db-{key}.sqlite"
-    if final.is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
-    os.close(fd)
-    try:
-        conn = sqlite3.connect(tmp)
-        try:
-            build_database(conn, spec)
-        finally:
-            conn.close()
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return final
-
-
-def schema_text(conn: sqlite3.Connection) -> str:
-    return "\n".join(r[0] + ";" for r in conn.execute(
-        "SELECT sql FROM sqlite_master WHERE type IN ('table', 'view') AND sql IS NOT NULL AND name NOT LIKE "
-        "'sqlite_%' ORDER BY rowid"))
-
-
-# ----------------------------------------------------------------------------------------------- read-only SQL
-
-_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION,
-                 getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
-_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
-                 "foreign_key_list"}
-
-
-def _read_only(action: int, arg1: str | None, *_: Any) -> int:
-    if action in _READ_ACTIONS or (action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in _READ_PRAGMAS):
-        return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
-
-
-@dataclass(frozen=True)
-class QueryResult:
-    text: str  # what the agent sees
-    error: bool = False
-    timed_out: bool = False
-    truncated: bool = False
-
-
-def _cell(v: Any, max_chars: int) -> str:
-    if v is None:
-        return "NULL"
-    if isinstance(v, bytes):
-        return f"<blob of {len(v)} bytes>"
-    s = str(v)
-    return s if len(s) <= max_chars else s[:max_chars] + "..."
-
-
-def run_query(db_file: str | os.PathLike, sql: str, *, max_rows: int = 20, time_limit_s: float = 1.0,
-              max_cell_chars: int = 100) -> QueryResult:
-    """Run one statement read-only and render the result (or the error) for the agent."""
-    conn = sqlite3.connect(f"{Path(db_file).resolve().as_uri()}?mode=ro", uri=True)
-    stopped = []
-    deadline = time.monotonic() + time_limit_s
-
-    def past_deadline() -> int:  # called every 1000 VM instructions; nonzero interrupts the statement
-        if time.monotonic() > deadline:
-            stopped.append(True)
-            return 1
-        return 0
-
-    try:
-        conn.set_authorizer(_read_only)
-        if hasattr(conn, "setlimit"):  # Python >= 3.11: no multi-megabyte strings (randomblob(1e9), printf tricks)
-            conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
-        conn.set_progress_handler(past_deadline, 1000)
-        cur = conn.execute(sql)
-        rows = cur.fetchmany(max_rows + 1)
-        columns = [d[0] for d in cur.description or ()]
-    except (sqlite3.Error, sqlite3.Warning) as e:
-        if stopped:
-            return QueryResult(f"Error: the query ran longer than {time_limit_s:g} s and was stopped.", True, True)
-        hint = " (the database is read-only: only SELECT queries run)" if "authoriz" in str(e) else ""
-        return QueryResult(f"Error: {e}{hint}", error=True)
-    finally:
-        conn.close()
-    if not columns:
-        return QueryResult("The statement returned no result.")
-    truncated = len(rows) > max_rows
-    lines = [" | ".join(columns)] + [" | ".join(_cell(v, max_cell_chars) for v in r) for r in rows[:max_rows]]
-    if not rows:
-        lines.append("(0 rows)")
-    if truncated:
-        lines.append(f"(first {max_rows} rows shown; there are more: aggregate or add LIMIT)")
-    return QueryResult("\n".join(lines), truncated=truncated)
-
-
 # --------------------------------------------------------------------------------------------------- answers
 
 
@@ -349,8 +236,21 @@ def answers_match(text: str, gold: Sequence[str], *, is_list: bool, ordered: boo
 
 
 def first_action(text: str) -> tuple[str, str] | None:
-    tags = parse_tags(text, ["sql", "answer"])
-    return tags[0] if tags else None
+    """("sql", query) or ("answer", text) from the reply's first action tag or JSON tool call; ("invalid", what is
+    wrong) for a malformed tool call; None without either."""
+    tags = parse_tags(text, ["sql", "answer", "tool_call"])
+    if not tags:
+        return None
+    kind, content = tags[0]
+    if kind != "tool_call":
+        return kind, content
+    call = parse_tool_call(content)
+    if call.error:
+        return "invalid", f"{call.error}, e.g. {SQL_TOOL}"
+    args = call.arguments
+    if call.name != "sql" or not isinstance(args, dict) or not isinstance(args.get("query"), str):
+        return "invalid", f"the one tool is sql, called as {SQL_TOOL}"
+    return "sql", args["query"].strip()
 
 
 # ---------------------------------------------------------------------------------------------------- user tasks
@@ -362,8 +262,14 @@ def load_tasks_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None
     if not path.is_file():
         raise ValueError(f"tasks file {path} does not exist")
     records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
+    with path.open("rb") as f:  # decoded line by line, so a bad byte is reported on its own line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
             try:
                 records.append(_user_task(json.loads(line), path, lineno, cache_dir))
             except (ValueError, TypeError, KeyError, sqlite3.Error) as e:
@@ -424,7 +330,7 @@ class DatabaseEnv(Env):
     def __init__(self, n_heldout: int = 64, seed: int = 1234, questions_per_db: int = 3, tasks_file: str | None = None,
                  heldout_file: str | None = None, max_turns: int = 5, max_rows: int = 20, time_limit_s: float = 1.0,
                  max_tokens_per_turn: int | None = None, max_context: int = 4096, max_env_tokens: int = 512,
-                 cache_dir: str | None = None, system_prompt: str | None = None) -> None:
+                 result_role: str = "user", cache_dir: str | None = None, system_prompt: str | None = None) -> None:
         if n_heldout < 1 or not 1 <= questions_per_db <= len(TEMPLATES):
             raise ValueError(f"n_heldout must be >= 1 and questions_per_db in [1, {len(TEMPLATES)}]; got "
                              f"{n_heldout} and {questions_per_db}")
@@ -432,11 +338,13 @@ class DatabaseEnv(Env):
             raise ValueError(f"max_rows must be >= 1 and time_limit_s > 0, got {max_rows} and {time_limit_s}")
         if heldout_file is not None and tasks_file is None:
             raise ValueError("heldout_file needs tasks_file (the train tasks); give both, or neither to generate")
+        if result_role not in ("user", "tool"):
+            raise ValueError(f"result_role must be 'user' or 'tool', got {result_role!r}")
         self.n_heldout, self.seed, self.questions_per_db = n_heldout, seed, questions_per_db
         self.tasks_file, self.heldout_file = tasks_file, heldout_file
         self.max_turns, self.max_rows, self.time_limit_s = max_turns, max_rows, time_limit_s
         self.max_tokens_per_turn, self.max_context = max_tokens_per_turn, max_context
-        self.max_env_tokens = max_env_tokens
+        self.max_env_tokens, self.result_role = max_env_tokens, result_role
         self.cache_dir, self.system_prompt = cache_dir, system_prompt
         self._budget = Budget(max_turns=max_turns, max_tokens_per_turn=max_tokens_per_turn, max_context=max_context,
                               max_env_tokens=max_env_tokens)
@@ -575,12 +483,15 @@ class DatabaseEnv(Env):
                 counts["format_errors"] += 1
                 conv.add_message("user", FORMAT_HINT)
                 continue
+            if action[0] == "invalid":  # a malformed tool call: a failed call, answered with what is wrong
+                conv.add_message(self.result_role, f"Error: {action[1]}", tool_call=True, tool_error=True)
+                continue
             result = await asyncio.to_thread(run_query, db_file, action[1], max_rows=self.max_rows,
                                              time_limit_s=self.time_limit_s)  # a slow query must not block the loop
             counts["queries"] += 1
             counts["query_errors"] += float(result.error)
             counts["query_timeouts"] += float(result.timed_out)
-            conv.add_message("user", result.text, tool_call=True, tool_error=result.error)
+            conv.add_message(self.result_role, result.text, tool_call=True, tool_error=result.error)
         last = conv.texts[-1] if conv.texts else ""
         metrics = {**counts, "correct": self.grade(task, last),
                    "turn_limit_hit": float(not counts["answered"] and conv.turns >= self.max_turns)}

@@ -12,9 +12,17 @@ processes racing on one key all end with one whole game. The same recipe gives b
 a game takes about 1 s (2 s for the first in a process, which loads TextWorld's knowledge base).
 
 A user's games: `games_dir` plays every `*.z8` (with the TextWorld `.json` beside it, which says when the game is won)
-and `*.tw-pddl` (ALFWorld's format; needs `pip install textworld[pddl]`, not exercised by this package's tests)
-under the directory. `n_heldout` of them, drawn with the seed, are held out, or all of `heldout_dir`'s when it is
-given. TextWorld 1.7 dropped Glulx, so `.ulx` games are refused with the fix in the message.
+and `*.tw-pddl` (ALFWorld's format: a JSON object holding `pddl_domain`, `pddl_problem` and the TextWorld `grammar`;
+`games.alfworld_example` is a tiny one) under the directory. `n_heldout` of them, drawn with the seed, are held out, or all of `heldout_dir`'s when it is
+given. TextWorld 1.7 dropped Glulx, so `.ulx` games are refused with the fix in the message. `.tw-pddl` games need
+fast_downward (the `agentbench` extra installs it: a source build of about 2 min that needs cmake and a C++
+compiler); without it the env refuses them at construction, naming a file and the install. A PDDL game has no score
+(`max_score` 0, so `reward="score"` rewards the win) and its goal is in the opening text (no separate objective).
+
+A `.z8` whose header is not a complete version-8 story file is refused at construction: Jericho's C interpreter
+would exit the whole process on it ("Fatal error: Story file read error"). Any other file TextWorld cannot load
+(a `.json` that is not the game's, a malformed `.tw-pddl`) raises ValueError naming the file when the game is first
+opened (when the task iterator reaches it).
 
 Episode
 -------
@@ -33,6 +41,9 @@ between threads, so it exists only inside `rollout` (opened, stepped and closed 
 and never on a `Trajectory`. `score` therefore reads what the rollout recorded in `Trajectory.metrics` (`won`,
 `score`, `max_score`); a trajectory without them scores None. Use the same pattern for any env whose outcome lives in
 simulator state: record the outcome in metrics during rollout, and have `score` read it.
+
+Metrics: `tool_calls` counts the commands the game executed (the same as `game_steps`, the last one included although
+its feedback is never appended); refused and missing commands are `refused_commands` and `no_action_turns`.
 
 Example:
     >>> env = HouseholdEnv(n_train=8, n_heldout=2, seed=0)  # doctest: +SKIP
@@ -54,13 +65,13 @@ import re
 import shutil
 import tempfile
 import threading
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs.agentbench.games import LiveGame, check_story_file, import_textworld, require_pddl
 from astratk.envs.multiturn import Budget, Conversation, parse_tags
 from astratk.records import Task, Trajectory
 
@@ -77,18 +88,6 @@ FORMAT_HINT = "No command found. Reply with one command inside <action>...</acti
 # TextWorld's generator keeps module-level state (knowledge base, grammar caches): one generation at a time per
 # process. Across processes the temporary-directory-and-rename protocol keeps the cache whole.
 _GENERATION_LOCK = threading.Lock()
-
-
-def _textworld() -> Any:
-    try:
-        import textworld
-        import textworld.generator
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError("HouseholdEnv needs TextWorld: pip install textworld==1.7.0") from e
-    # Jericho warns that TextWorld's games are "not fully supported" (it cannot read their score); TextWorld's own
-    # wrapper tracks score and win, so the warning is noise on every episode.
-    warnings.filterwarnings("ignore", message=r"Game .* is not fully supported", module="jericho")
-    return textworld
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -109,7 +108,7 @@ class GameRecipe:
     quest_length: int
 
     def options(self, path: Path | None = None) -> Any:
-        opts = _textworld().GameOptions()
+        opts = import_textworld().GameOptions()
         opts.seeds = self.seed
         opts.nb_rooms, opts.nb_objects, opts.quest_length = self.nb_rooms, self.nb_objects, self.quest_length
         if path is not None:
@@ -124,7 +123,7 @@ class GameRecipe:
 
 def game_key(recipe: GameRecipe) -> str:
     """16 hex characters of sha256 over what determines the game files."""
-    content = {"kit": GAME_KIT, "textworld": _textworld().__version__, "recipe": dataclasses.asdict(recipe)}
+    content = {"kit": GAME_KIT, "textworld": import_textworld().__version__, "recipe": dataclasses.asdict(recipe)}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -144,7 +143,7 @@ def ensure_game(recipe: GameRecipe, cache_dir: str | os.PathLike | None = None) 
 
 
 def _generate(recipe: GameRecipe, out: Path) -> None:
-    tw = _textworld()
+    tw = import_textworld()
     opts = recipe.options(out / GAME_FILE)
     with _GENERATION_LOCK:
         game = tw.generator.make_game(opts)
@@ -174,60 +173,6 @@ def read_meta(game_file: str | os.PathLike) -> dict[str, Any]:
                 "intro": game.observation}
     finally:
         game.close()
-
-
-# ------------------------------------------------------------------------------------------------------ live game
-
-_BANNER_LINE = re.compile(r"[\s_|\\/$<>()\-]*")  # TextWorld's ASCII-art title: symbols only
-
-
-def clean_feedback(text: str) -> str:
-    """A game's text without TextWorld's title banner, its `>` prompt and status bar, and runs of blank lines."""
-    lines = text.replace("\r", "").split("\n")
-    while lines and _BANNER_LINE.fullmatch(lines[0]):
-        lines.pop(0)
-    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith(">")):
-        lines.pop()
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() or "(nothing happens)"
-
-
-class LiveGame:
-    """One running TextWorld game, for one episode: not thread-safe, not picklable; call from one thread at a time
-    and `close` it. `observation` is the latest cleaned feedback (with the admissible commands if asked)."""
-
-    def __init__(self, game_file: str | os.PathLike, *, list_commands: bool = False, walkthrough: bool = False):
-        tw = _textworld()
-        # Only what is needed: the winning policy (walkthrough) is re-planned at every step when requested.
-        infos = tw.EnvInfos(objective=True, won=True, lost=True, score=True, max_score=True,
-                            policy_commands=walkthrough, admissible_commands=list_commands)
-        self.list_commands = list_commands
-        self._env = tw.start(str(game_file), infos)
-        try:
-            state = self._env.reset()
-        except BaseException:
-            self._env.close()
-            raise
-        self.objective = str(state.objective or "")
-        self.walkthrough = list(state.policy_commands or []) if walkthrough else []
-        self.max_score = float(state.max_score or 0)
-        self._update(state, done=False)
-
-    def _update(self, state: Any, done: bool) -> None:
-        self.won, self.lost = bool(state.won), bool(state.lost)
-        self.score = float(state.score or 0)
-        self.done = done or self.won or self.lost
-        text = clean_feedback(state.feedback or "")
-        if self.list_commands and state.admissible_commands:
-            text += "\n\nAvailable commands: " + ", ".join(state.admissible_commands)
-        self.observation = text
-
-    def step(self, command: str) -> str:
-        state, _, done = self._env.step(command)
-        self._update(state, bool(done))
-        return self.observation
-
-    def close(self) -> None:
-        self._env.close()
 
 
 def parse_action(text: str, require_tag: bool = False) -> str | None:
@@ -380,7 +325,7 @@ class HouseholdEnv(Env):
             conv = Conversation.start(engine.tokenizer, self._opening(task, game.observation), self._budget)
             while conv.can_continue and not game.done:
                 turn = await conv.assistant_turn(engine, sampling)
-                feedback = await self._act(game, turn.text, counts)
+                feedback = await self._act(conv, game, turn.text, counts)
                 if game.done or not conv.can_continue:
                     break  # nothing follows the last turn: appending feedback would only add masked tokens
                 conv.add_message("user", feedback)
@@ -397,7 +342,7 @@ class HouseholdEnv(Env):
         msgs[-1] = {"role": "user", "content": INSTRUCTIONS.format(max_turns=self.max_turns) + "\n\n" + observation}
         return msgs
 
-    async def _act(self, game: LiveGame, text: str, counts: dict[str, float]) -> str:
+    async def _act(self, conv: Conversation, game: LiveGame, text: str, counts: dict[str, float]) -> str:
         command = parse_action(text, self.require_tag)
         if command is None:
             counts["no_action_turns"] += 1
@@ -406,6 +351,7 @@ class HouseholdEnv(Env):
             counts["refused_commands"] += 1
             return f"'{command}' is not available in this game."
         counts["game_steps"] += 1
+        conv.record_tool_call()  # counted here: the last command's feedback is never appended
         return await asyncio.to_thread(game.step, command)
 
     # --------------------------------------------------------------------------------------------------- score
@@ -435,7 +381,10 @@ def scan_games(directory: str | os.PathLike) -> list[Path]:
         if not path.with_suffix(".json").is_file():
             raise ValueError(f"{path}: no {path.with_suffix('.json').name} beside it; TextWorld needs the game's "
                              ".json metadata to know when a game is won")
-    games = z8 + sorted(root.rglob("*.tw-pddl"))
-    if not games:
+        check_story_file(path)
+    pddl = sorted(root.rglob("*.tw-pddl"))
+    if pddl:
+        require_pddl(pddl[0])
+    if not z8 + pddl:
         raise ValueError(f"no games under {root}: expected *.z8 files (each with its .json) or ALFWorld *.tw-pddl")
-    return games
+    return z8 + pddl

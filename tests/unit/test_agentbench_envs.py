@@ -1,6 +1,7 @@
-"""AgentBench-style envs: household text games (TextWorld) and SQLite questions. Tasks are deterministic per seed and
-the splits disjoint; a scripted winning play scores 1 and a bad one 0; game and database output is masked; the turn
-limit binds and is counted; SQL never writes and slow queries stop; loaders name the file and line of a bad entry."""
+"""AgentBench-style envs: household text games (TextWorld's, generated, and ALFWorld's .tw-pddl) and SQLite questions.
+Tasks are deterministic per seed and the splits disjoint; a scripted winning play scores 1 and a bad one 0; game and
+database output is masked; executed commands and queries count as tool calls (JSON tool calls too); the turn limit
+binds and is counted; SQL never writes and slow queries stop; loaders name the file (and line) of a bad entry."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import pytest
 
 from astratk.contracts import SamplingParams
 from astratk.engines import ScriptedEngine
-from astratk.envs.agentbench.db import DatabaseEnv, answers_match, run_query
+from astratk.envs.agentbench.db import DatabaseEnv, answers_match
+from astratk.envs.agentbench.sql import run_query
 from astratk.models import build_char_tokenizer
 
 TOK = build_char_tokenizer()
@@ -30,6 +32,8 @@ END = TOK.convert_tokens_to_ids("<|im_end|>")
 SAMPLING = SamplingParams(max_tokens=200)
 needs_textworld = pytest.mark.skipif(importlib.util.find_spec("textworld") is None,
                                      reason="HouseholdEnv needs textworld (pip install textworld==1.7.0)")
+needs_pddl = pytest.mark.skipif(importlib.util.find_spec("textworld") is None or importlib.util.find_spec(
+    "fast_downward") is None, reason="ALFWorld .tw-pddl games need textworld and fast_downward (astratk[agentbench])")
 
 
 def player(replies):
@@ -120,6 +124,7 @@ def test_household_winning_play_scores_one_and_masks_the_game(household):
     traj, reward, engine = play(env, task, [f"<action>{c}</action>" for c in walkthrough])
     assert reward == 1.0 and traj.metrics["won"] == 1 and traj.metrics["turns"] == 2 == len(engine.requests)
     assert traj.metrics["turn_limit_hit"] == 0 and traj.finished
+    assert traj.metrics["tool_calls"] == 2 == traj.metrics["game_steps"]  # the winning command, never answered, too
     runs = segments(traj)
     assert [m for m, _ in runs] == [1, 0, 1]  # action, the game's feedback, action; nothing after the win
     assert runs[0][1] == f"<action>{walkthrough[0]}</action><|im_end|>"
@@ -141,6 +146,7 @@ def test_household_turn_limit_binds_and_bad_play_scores_zero(household):
     traj, reward, _ = play(env, task, [f"{task.info['walkthrough'][0]}\nbecause", "<action>quit</action>", "  "])
     m = traj.metrics
     assert reward == 0.0 and m["game_steps"] == 1 and m["refused_commands"] == 1 and m["no_action_turns"] == 2
+    assert m["tool_calls"] == 1  # only the command the game executed
     strict = HouseholdEnv(n_train=1, n_heldout=1, seed=3, nb_rooms=2, nb_objects=2, quest_length=2, max_turns=4,
                           require_tag=True, cache_dir=env.cache_dir)
     traj, _, _ = play(strict, task, [task.info["walkthrough"][0]])  # untagged: refused
@@ -185,6 +191,116 @@ def test_household_plays_a_users_games_and_rejects_bad_directories(household, tm
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no games under"):
         HouseholdEnv(games_dir=str(tmp_path / "empty"), n_heldout=1)
+
+
+@needs_textworld
+def test_household_corrupt_games_raise_naming_the_file(household, tmp_path):
+    from astratk.envs.agentbench.games import LiveGame
+    from astratk.envs.agentbench.household import HouseholdEnv
+    env, heldout, _, _ = household
+    src = env.game_file(heldout[0])
+    story, meta = src.read_bytes(), src.with_suffix(".json").read_text()
+    games, bad = tmp_path / "games", tmp_path / "bad"
+    games.mkdir()
+    bad.mkdir()
+    for name in ("a", "b"):
+        (games / f"{name}.z8").write_bytes(story)
+        (games / f"{name}.json").write_text(meta)
+    # Jericho would exit the whole process on these ("Fatal error: Story file read error"): refused at construction.
+    for name, data, message in (("cut", story[:1000], "truncated story file"),
+                                ("junk", b"\0" * 100, "not a Z-machine version 8 story file")):
+        (bad / f"{name}.z8").write_bytes(data)
+        (bad / f"{name}.json").write_text(meta)
+        with pytest.raises(ValueError, match=re.escape(str(bad / f"{name}.z8")) + f": {message}"):
+            HouseholdEnv(games_dir=str(games), heldout_dir=str(bad))
+        (bad / f"{name}.z8").unlink()
+    # A story whose .json is not its metadata: TextWorld's bare KeyError 'KB', now named when the game is opened.
+    (bad / "c.z8").write_bytes(story)
+    (bad / "c.json").write_text("{}")
+    user = HouseholdEnv(games_dir=str(games), heldout_dir=str(bad))
+    with pytest.raises(ValueError, match=re.escape(str(bad / "c.z8")) + r": TextWorld cannot load .*c\.json.*'KB'"):
+        list(user.tasks("heldout"))
+    with pytest.raises(ValueError, match=re.escape(str(bad / "c.z8"))):
+        LiveGame(bad / "c.z8")
+
+
+def _alfred_game(path: Path, goal: str, **override) -> Path:
+    from astratk.envs.agentbench.games import alfworld_example
+    path.write_text(json.dumps({**alfworld_example(goal), **override}))
+    return path
+
+
+def _downward_copies() -> int:
+    """fast-downward library copies mapped into this process (each PddlEnv loads its own from a temporary file that it
+    deletes at once, so the copies differ by their (device, inode))."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return len({tuple(line.split()[3:5]) for line in maps if "libdownward" in line})
+
+
+@needs_pddl
+def test_household_plays_alfworld_pddl_games_to_a_win(tmp_path, monkeypatch):
+    from astratk.envs.agentbench.household import HouseholdEnv
+    argv, stdout = ["astratk", "fit"], sys.stdout
+    monkeypatch.setattr(sys, "argv", list(argv))
+    games = tmp_path / "alfworld"
+    games.mkdir()
+    for goal in ("cabinet", "sink"):
+        _alfred_game(games / f"{goal}.tw-pddl", goal)
+    env = HouseholdEnv(games_dir=str(games), n_heldout=1, seed=0, max_turns=6)
+    task = next(iter(env.tasks("heldout")))
+    goal = Path(task.info["game_file"]).stem
+    assert task.info["walkthrough"] == ["go to table", "take mug from table", f"go to {goal}", f"put mug in/on {goal}"]
+    assert task.prompt.endswith(f"Your task is to: put a mug in the {goal}.")  # the goal is in the opening text
+    win = [f"<action>{c}</action>" for c in task.info["walkthrough"]]
+    traj, reward, _ = play(env, task, win)
+    assert reward == 1.0 and traj.metrics["won"] == 1 and traj.metrics["turns"] == 4 == traj.metrics["tool_calls"]
+    assert [m for m, _ in segments(traj)] == [1, 0, 1, 0, 1, 0, 1]
+    assert "You arrive at the table. On it, you see a mug." in segments(traj)[1][1]
+    assert "You pick up the mug from the table." in segments(traj)[3][1]
+    lost, reward, _ = play(env, task, ["<action>go to sink</action>", "<action>take mug</action>"])
+    assert reward == 0.0 and lost.metrics["turn_limit_hit"] == 1 and "Nothing happens." in TOK.decode(lost.tokens)
+
+    async def group():  # episodes of a group open their games concurrently in worker threads
+        engines = [ScriptedEngine(TOK, player(win)) for _ in range(3)]
+        return await asyncio.gather(*(env.rollout(task, {"policy": e}, SAMPLING, policy_ids={"policy": "p"},
+                                                  group_id="g") for e in engines))
+    copies = _downward_copies() if sys.platform == "linux" else 0
+    for _ in range(2):
+        assert [env.score(task, t) for t in asyncio.run(group())] == [[1.0]] * 3
+    # fast-downward's translator overwrites sys.argv and swaps sys.stdout while it runs: both are as they were.
+    assert sys.argv == argv and sys.stdout is stdout
+    if sys.platform == "linux":  # planner libraries are reused: at most one per game open at once, not one per episode
+        assert _downward_copies() <= max(copies, 3)
+
+
+@needs_pddl
+@pytest.mark.parametrize("override, message", [
+    ({"pddl_problem": "(define (problem p) (:domain alfred) (:objects x - object) (:init (nosuch x)) "
+                      "(:goal (nosuch x)))"}, "SystemExit: Undeclared predicate: nosuch"),  # the translator exits
+    ({"grammar": "action GotoLocation {"}, "FailedToken"),
+    ({"pddl_domain": "(define (domain alfred) (:action"}, "ParseError"),
+    (None, "JSONDecodeError"),
+])
+def test_household_corrupt_pddl_games_raise_naming_the_file(tmp_path, override, message):
+    from astratk.envs.agentbench.games import LiveGame
+    path = _alfred_game(tmp_path / "bad.tw-pddl", "sink", **(override or {}))
+    if override is None:
+        path.write_text(path.read_text()[:200])  # cut short
+    with pytest.raises(ValueError, match=re.escape(f"{path}: TextWorld cannot load this game: ") + f".*{message}"):
+        LiveGame(path, walkthrough=True)
+    good = LiveGame(_alfred_game(tmp_path / "good.tw-pddl", "sink"))  # the pooled planner is still usable
+    assert good.step("go to table").startswith("You arrive at the table.")
+    good.close()
+
+
+def test_household_pddl_games_without_fast_downward_are_refused_at_construction(tmp_path, monkeypatch):
+    from astratk.envs.agentbench.household import HouseholdEnv
+    monkeypatch.setitem(sys.modules, "fast_downward", None)  # as if not installed: importing it raises ImportError
+    for goal in ("cabinet", "sink"):
+        (tmp_path / f"{goal}.tw-pddl").write_text("{}")
+    with pytest.raises(ImportError, match=re.escape(str(tmp_path / "cabinet.tw-pddl")) + ".*need fast_downward: pip "
+                                          r"install 'astratk\[agentbench\]'"):
+        HouseholdEnv(games_dir=str(tmp_path), n_heldout=1)
 
 
 # ------------------------------------------------------------------------------------------------------- database
@@ -343,3 +459,32 @@ def test_db_loader_rejects_malformed_lines_naming_file_and_line(tmp_path, bad, m
     path = _jsonl(tmp_path / "tasks.jsonl", [{**INLINE, "question": "q", "answer": 6}, "", bad])
     with pytest.raises(ValueError, match=re.escape(f"{path}:3: ") + f".*{message}"):
         DatabaseEnv(tasks_file=str(path), n_heldout=1, cache_dir=str(tmp_path / "cache"))
+
+
+def test_db_loader_names_the_line_of_undecodable_bytes(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    good = json.dumps({**INLINE, "question": "q", "answer": 6}).encode()
+    path.write_bytes(good + b"\n\n" + b'{"question": "caf\xff"}\n' + good + b"\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3: not UTF-8 text")):
+        DatabaseEnv(tasks_file=str(path), n_heldout=1, cache_dir=str(tmp_path / "cache"))
+
+
+def test_db_accepts_json_tool_calls(db_env):
+    tool = DatabaseEnv(n_heldout=12, seed=7, max_turns=3, max_rows=5, result_role="tool", cache_dir=db_env.cache_dir)
+    task = next(t for t in tool.tasks("heldout") if t.info["is_list"])
+    call = json.dumps({"name": "sql", "arguments": {"query": task.info["sql"]}})
+    gold = ", ".join(task.info["answer"])
+    traj, reward, _ = play(tool, task, [f"<tool_call>{call}</tool_call>", f"<answer>{gold}</answer>"])
+    assert reward == 1.0 and traj.metrics["queries"] == 1 == traj.metrics["tool_calls"]
+    runs = segments(traj)
+    assert [m for m, _ in runs] == [1, 0, 1] and runs[1][1].startswith("\n<|im_start|>tool\n")  # result_role
+    assert all(name in runs[1][1] for name in task.info["answer"])
+    # Malformed calls and other tools are answered (as failed tool calls), and use their turns.
+    traj, reward, _ = play(tool, task, ['<tool_call>{"name": "sql", "arguments": {"query": </tool_call>',
+                                        '<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>',
+                                        "<answer>0</answer>"])
+    errors = [text for m, text in segments(traj) if m == 0]
+    assert reward == 0.0 and traj.metrics["tool_errors"] == 2 == traj.metrics["tool_calls"]
+    assert traj.metrics["queries"] == 0 and "invalid JSON" in errors[0] and "the one tool is sql" in errors[1]
+    with pytest.raises(ValueError, match="result_role"):
+        DatabaseEnv(n_heldout=1, result_role="system")

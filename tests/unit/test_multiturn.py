@@ -86,3 +86,71 @@ def test_tool_call_parsing():
     assert bad_json.error.startswith("invalid JSON") and no_name.error.startswith("a tool call needs")
     assert parse_tool_calls("no calls") == []
     assert parse_tags("<answer> 42 </answer><search>unclosed", ["answer", "search"]) == [("answer", "42")]
+
+
+# Qwen2.5's chat template, cut to what a text conversation uses: a default system turn, and tool results rendered as a
+# user turn of <tool_response> blocks, consecutive tool messages merged into one turn.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+CALL = '<tool_call>{"name": "calc", "arguments": {"x": "2+2"}}</tool_call>'
+
+
+def _qwen_tokenizer():
+    tok = build_char_tokenizer()
+    tok.chat_template = QWEN25_TEMPLATE
+    return tok
+
+
+@pytest.mark.parametrize("results", [["4"], ["4", "four"]])
+def test_qwen25_template_tool_turns_are_masked_and_equal_the_template(results):
+    tok = _qwen_tokenizer()
+    engine = ScriptedEngine(tok, [said(CALL), said("4")])
+    msgs = [{"role": "user", "content": "2+2?"}]
+    conv = Conversation.start(tok, msgs, Budget(max_turns=2))
+    first = run(conv.assistant_turn(engine, SamplingParams(max_tokens=99)))
+    [call] = parse_tool_calls(first.text)
+    n_env = sum(conv.add_message("tool", r, tool_call=True) for r in results)  # one message per result
+    run(conv.assistant_turn(engine, SamplingParams(max_tokens=99)))
+    history = msgs + [{"role": "assistant", "content": CALL}] + [{"role": "tool", "content": r} for r in results]
+    rendered = encode_chat(tok, history)
+    assert conv.tokens == rendered + said("4")  # the whole conversation is the template's rendering
+    traj = conv.trajectory(TASK, group_id="g", policy_id="p", role="solver")
+    env_text = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
+    n1 = len(said(CALL))
+    assert list(traj.loss_mask) == [1] * n1 + [0] * n_env + [1] * len(said("4"))
+    assert tok.decode(conv.tokens[conv.n_prompt + n1:][:n_env]) == (
+        f"\n<|im_start|>user{env_text}<|im_end|>\n<|im_start|>assistant\n")  # the model's <|im_end|> is its own
+    assert traj.metrics["tool_calls"] == len(results) and traj.metrics["env_tokens"] == n_env
+    assert call.name == "calc" and call.arguments == {"x": "2+2"}
+
+
+# The last message gets an end-of-text mark, so an earlier turn renders differently once a message follows it.
+CHAT_TEMPLATE_LAST_EOS = (
+    "{% for message in messages %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{% if loop.last and not add_generation_prompt %}{{ '<|endoftext|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_template_without_fixed_separators_raises_a_clear_error():
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE_LAST_EOS
+    engine = ScriptedEngine(tok, [said("hi")])
+    conv = Conversation.start(tok, [{"role": "user", "content": "q"}], Budget(max_turns=2))
+    run(conv.assistant_turn(engine, SamplingParams(max_tokens=9)))
+    with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn as a plain "
+                                         "continuation.*fixed turn separators"):
+        conv.add_message("user", "more")
+
