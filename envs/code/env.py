@@ -16,7 +16,8 @@ metrics, for callers that record them. Extending: another problem source only ha
 
 Scoring metrics (`score_details`, and `CodeScore.metrics`): tests passed/total, timeouts, errors, whether code was
 found, the isolation used (`code/isolation_bwrap` 1.0 or 0.0; `CodeScore.isolation` has the name), whether the run had
-a uid of its own, sandbox seconds. A sandbox that failed before the harness started (a broken install, not the
+a uid of its own (`code/own_uid`), a cgroup capping its total memory and process count (`code/cgroup`) and a network
+namespace of its own (`code/own_network`), whether the run was killed at its memory or output cap, sandbox seconds. A sandbox that failed before the harness started (a broken install, not the
 program) gives reward None, which the rollout service counts and drops.
 
 Example:
@@ -197,14 +198,15 @@ class CodeEnv(Env):
     def __init__(self, data: str | None = None, format: Format = "auto", heldout_data: str | None = None,
                  levels: Sequence[int] = (1, 2, 3), n_heldout: int = 128, seed: int = 1234, n_tests: int = 5,
                  test_timeout_s: float = 2.0, isolation: Isolation = "auto", memory_mb: int = 512,
-                 max_procs: int = 64, max_parallel: int | None = None, system_prompt: str | None = None) -> None:
+                 max_procs: int = 16, run_memory_mb: int | None = None, cgroup: bool | None = None,
+                 max_parallel: int | None = None, system_prompt: str | None = None) -> None:
         if test_timeout_s <= 0:
             raise ValueError(f"test_timeout_s must be > 0, got {test_timeout_s}")
         if heldout_data is not None and data is None:
             raise ValueError("heldout_data needs data= (the train file) as well")
         self.seed, self.test_timeout_s, self.system_prompt = seed, test_timeout_s, system_prompt
         self.sandbox_config = {"isolation": isolation, "memory_mb": memory_mb, "max_procs": max_procs,
-                               "max_output_bytes": 4 << 20}
+                               "run_memory_mb": run_memory_mb, "cgroup": cgroup, "max_output_bytes": 4 << 20}
         self.max_parallel = max_parallel or os.cpu_count() or 1
         self._sandbox: Sandbox | None = None  # built at first score: constructing an env starts nothing
         self._synthetic: SyntheticTasks | None = None
@@ -346,7 +348,9 @@ def _grade_result(tests: Sequence[dict[str, Any]], result: SandboxResult, tag: s
                "code/errors": float(statuses.count("error")), "code/no_code": 0.0,
                "code/isolation_bwrap": float(result.isolation == "bwrap"), "code/own_uid": float(result.own_uid),
                "code/sandbox_s": result.wall_s, "code/tampered": float(tampered),
-               "code/output_limit": float(result.killed_by == "output_limit")}
+               "code/output_limit": float(result.killed_by == "output_limit"),
+               "code/memory_limit": float(result.killed_by == "memory_limit"), "code/cgroup": float(result.cgroup),
+               "code/own_network": float(result.own_network)}
     # no start line and no timeout: the sandbox or interpreter failed before any of the program ran
     reward = None if not started and not result.timed_out and not tampered else passed / n
     metrics["code/infra_error"] = float(reward is None)

@@ -6,10 +6,11 @@ names the one used (`isolation`), so weaker containment is never silent:
 | | `bwrap` (bubblewrap, `apt-get install -y bubblewrap`) | `process` (fallback) |
 |---|---|---|
 | process | own pid namespace; killing it kills every descendant | own session; descendants swept by uid |
-| network | own empty network namespace (no interfaces but lo) | the host's network |
+| network | own empty network namespace (no interfaces but lo) | as root, own network namespace (`unshare --net`: lo only, down); otherwise the host's (`own_network`) |
 | files | read-only /usr, /etc; tmpfs / , /tmp and cwd `/sandbox` (size-capped); nothing else of the host | the host's files, as an unprivileged uid; cwd is a fresh host temp dir |
 | environment | empty except PATH, HOME, LANG | same |
 | limits | rlimits: CPU, address space, file size, open files, no core; processes (RLIMIT_NPROC) | same |
+| whole run | a cgroup of its own where the machine allows (`cgroup`): total memory, tmpfs included, and process count | same, without tmpfs |
 
 Why an unprivileged uid: everything here may run as root, and RLIMIT_NPROC does not bind root (TRAPS, "Other"). So as
 root each run drops to a uid of its own (`uid_base` + slot, leased through a lock file, so concurrent runs, in this or
@@ -26,14 +27,22 @@ venv's packages stay out) and in bwrap mode its prefix (`<prefix>/bin/python3.X`
 Output: each of stdout and stderr keeps its first `max_output_bytes` and the run is killed as soon as either exceeds it
 (`killed_by="output_limit"`), so memory stays bounded and a `while True: print()` costs nothing more.
 
-Not covered: memory is limited per process (RLIMIT_AS), so one run can hold up to max_procs x memory_mb plus its two
-tmpfs; a cgroup would cap the sum, but none is created (the cgroup tree here belongs to the machine's own tooling).
+Memory: RLIMIT_AS caps each process at `memory_mb` (a clean MemoryError), so without more one run could hold
+max_procs x memory_mb (+ its two tmpfs): 64 x 512 MB is 32 GB. So where the machine allows (root, or a delegated v2
+cgroup) each run gets a cgroup of its own (`cgroup.py`, a child of our own cgroup, v1 or v2) capping the run's total at
+`run_memory_mb` (default `memory_mb`) and its processes at max_procs (+2 for bwrap's own) whatever their uid; a run
+that exceeds it is killed whole (`killed_by="memory_limit"`), and the cgroup is emptied and removed after every run.
+Where none can be made (`cgroup.probe()` says why), a guard refuses at construction, as root, any configuration whose
+max_procs x memory_mb (+ tmpfs) exceeds `RAM_SHARE` of this machine's memory, with the fix in the message: limits are
+never lowered behind the caller's back. Without root and without a cgroup nothing bounds the process count (`own_uid`
+and `cgroup` both False in the results), so there is nothing to check. `cgroup=False` forces the guard, `cgroup=True`
+refuses to construct without a cgroup. Results say which held the run (`SandboxResult.cgroup`).
 
 `run` is safe to call from many threads at once: it keeps no shared state besides the uid leases and a cached probe.
 bwrap's --die-with-parent is tied to the calling *thread*: `run` blocks that thread until the sandbox is gone.
 
 Example:
-    >>> sb = Sandbox(wall_s=5)
+    >>> sb = Sandbox(wall_s=5, max_procs=16)
     >>> r = sb.run("print(input()[::-1])", stdin="abc")
     >>> (r.returncode, r.stdout, r.isolation in ("bwrap", "process"))
     (0, 'cba\\n', True)
@@ -42,9 +51,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import random
 import selectors
 import shutil
 import signal
@@ -57,11 +64,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from astratk.envs.code import cgroup as cgroups
+from astratk.envs.code import uids
+
 Isolation = Literal["auto", "bwrap", "process"]
 WORKDIR = "/sandbox"  # the program's cwd inside bwrap (a tmpfs); named so it cannot be mistaken for a host path
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-_POLL_S = 0.05  # how often the reader loop checks for exit/deadline when no output arrives
+_POLL_S = 0.05  # how often the reader loop checks for exit, deadline and OOM kills when no output arrives
+RAM_SHARE = 0.5  # without a cgroup, the most of this machine's memory one run's worst case may claim
+_OWN_PIDS = 2  # processes of a run that are not the program's: bwrap and its pid-1 reaper (root, outside RLIMIT_NPROC)
 
 
 @dataclass(frozen=True)
@@ -74,10 +86,13 @@ class SandboxResult:
     stdout_truncated: bool
     stderr_truncated: bool
     timed_out: bool  # wall clock ran out and the run was killed
-    killed_by: str | None  # "wall_timeout" | "output_limit" | "cpu_limit" | "SIG<NAME>" | None (exited by itself)
+    killed_by: str | None  # "wall_timeout" | "output_limit" | "cpu_limit" | "memory_limit" (the run's cgroup ran out)
+    #                         | "SIG<NAME>" | None (exited by itself)
     isolation: str  # "bwrap" | "process": what actually contained this run
     own_uid: bool  # ran as a uid of its own, so the process limit bound (False only when not started as root)
     wall_s: float
+    cgroup: bool  # a cgroup of its own capped the run's total memory and process count
+    own_network: bool  # a network namespace of its own (bwrap always; process mode as root with unshare)
 
     @property
     def ok(self) -> bool:
@@ -85,19 +100,23 @@ class SandboxResult:
 
 
 class Sandbox:
-    """Limits are per run; `cpu_s` and `memory_mb` are per process (rlimits), `max_procs` per run (own uid).
+    """Limits are per run; `cpu_s` and `memory_mb` are per process (rlimits), `max_procs` per run (own uid and, where
+    one can be made, the run's cgroup), `run_memory_mb` (default `memory_mb`) per run (the cgroup).
 
     `max_disk_mb` sizes each tmpfs (cwd and /tmp) in bwrap mode; in process mode only `max_file_mb` bounds files.
+    `cgroup`: None uses one where the machine allows, True requires one, False never makes one (the RAM guard applies).
     """
 
     def __init__(self, isolation: Isolation = "auto", cpu_s: float = 10.0, wall_s: float = 20.0, memory_mb: int = 512,
-                 max_procs: int = 64, max_file_mb: int = 16, max_output_bytes: int = 1 << 20, max_disk_mb: int = 64,
-                 python: str | None = None, uid_base: int = 1_000_000, uid_slots: int = 1024) -> None:
+                 max_procs: int = 16, max_file_mb: int = 16, max_output_bytes: int = 1 << 20, max_disk_mb: int = 64,
+                 python: str | None = None, uid_base: int = 1_000_000, uid_slots: int = 1024,
+                 run_memory_mb: int | None = None, cgroup: bool | None = None) -> None:
         if isolation not in ("auto", "bwrap", "process"):
             raise ValueError(f"isolation must be 'auto', 'bwrap' or 'process', got {isolation!r}")
+        run_memory_mb = memory_mb if run_memory_mb is None else run_memory_mb
         for name, v in (("cpu_s", cpu_s), ("wall_s", wall_s), ("memory_mb", memory_mb), ("max_procs", max_procs),
                         ("max_file_mb", max_file_mb), ("max_output_bytes", max_output_bytes),
-                        ("max_disk_mb", max_disk_mb), ("uid_slots", uid_slots)):
+                        ("max_disk_mb", max_disk_mb), ("uid_slots", uid_slots), ("run_memory_mb", run_memory_mb)):
             if v <= 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
         if isolation == "bwrap" and not bwrap_available():
@@ -115,10 +134,37 @@ class Sandbox:
             raise ValueError(f"the process sandbox runs programs as an unprivileged uid, which cannot reach "
                              f"{self.python} (a parent directory is not world-executable); pass python= an "
                              "interpreter under /usr (apt-get install -y python3) or install bubblewrap")
+        self.run_memory_mb = run_memory_mb
+        self._layout, why = cgroups.probe() if cgroup is not False else (None, "cgroup=False")
+        if cgroup and self._layout is None:
+            raise ValueError(f"cgroup=True but no cgroup can be made here: {why}; pass cgroup=None to use the RAM "
+                             "guard instead")
+        self.cgroup = self._layout is not None
+        self.own_network = self.isolation == "bwrap" or netns_available()
+        self._check_memory_bound(why)
 
     def __repr__(self) -> str:
-        return (f"Sandbox(isolation={self.isolation!r}, cpu_s={self.cpu_s}, wall_s={self.wall_s}, "
-                f"memory_mb={self.memory_mb}, max_procs={self.max_procs}, python={self.python!r})")
+        return (f"Sandbox(isolation={self.isolation!r}, cgroup={self.cgroup}, cpu_s={self.cpu_s}, "
+                f"wall_s={self.wall_s}, memory_mb={self.memory_mb}, run_memory_mb={self.run_memory_mb}, "
+                f"max_procs={self.max_procs}, python={self.python!r})")
+
+    def _check_memory_bound(self, no_cgroup: str) -> None:
+        """The most one run can hold must fit in RAM_SHARE of this machine. With a cgroup that is run_memory_mb;
+        without, as root, every one of max_procs processes may fill its address-space limit, plus bwrap's two tmpfs.
+        Without root and cgroup nothing bounds the process count, so there is no product to check (`own_uid`)."""
+        ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        cap = int(RAM_SHARE * ram_mb)
+        if self.cgroup and self.run_memory_mb > cap:
+            raise ValueError(f"run_memory_mb={self.run_memory_mb} is over {RAM_SHARE:.0%} of this machine's "
+                             f"{ram_mb} MB; pass run_memory_mb <= {cap}")
+        tmpfs = 2 * self.max_disk_mb if self.isolation == "bwrap" else 0
+        worst = self.max_procs * self.memory_mb + tmpfs
+        if not self.cgroup and os.geteuid() == 0 and worst > cap:
+            raise ValueError(
+                f"no cgroup can cap a run's total memory here ({no_cgroup}), so one run could hold max_procs x "
+                f"memory_mb = {self.max_procs} x {self.memory_mb} MB (+{tmpfs} MB tmpfs) = {worst} MB, over "
+                f"{RAM_SHARE:.0%} of this machine's {ram_mb} MB; lower them so the product stays under {cap} MB "
+                f"(e.g. max_procs={max(1, (cap - tmpfs) // self.memory_mb)}), or run where /sys/fs/cgroup is writable")
 
     # ------------------------------------------------------------------------------------------------------ run
     def run(self, code: str, stdin: str | bytes | None = None, files: Mapping[str, str | bytes] | None = None,
@@ -133,10 +179,21 @@ class Sandbox:
         files["main.py"] = code
         wall = self.wall_s if wall_s is None else wall_s
         cpu = self.cpu_s if cpu_s is None else cpu_s
-        with _uid_lease(self.uid_base, self.uid_slots) as uid:
+        with uids.lease(self.uid_base, self.uid_slots) as uid, self._run_cgroup() as cg:
             if self.isolation == "bwrap":
-                return self._run_bwrap(files, stdin, args, wall, cpu, uid)
-            return self._run_process(files, stdin, args, wall, cpu, uid)
+                return self._run_bwrap(files, stdin, args, wall, cpu, uid, cg)
+            return self._run_process(files, stdin, args, wall, cpu, uid, cg)
+
+    @contextlib.contextmanager
+    def _run_cgroup(self) -> Iterator[cgroups.RunCgroup | None]:
+        if self._layout is None:
+            yield None
+            return
+        cg = cgroups.RunCgroup(self._layout, self.run_memory_mb << 20, self.max_procs + _OWN_PIDS)
+        try:
+            yield cg
+        finally:
+            cg.close()  # kills whatever is left in it, then removes it
 
     def _limits(self, cpu: float, uid: int | None) -> list[str]:
         """prlimit arguments. CPU: soft limit sends SIGXCPU, the hard one a second later SIGKILL."""
@@ -147,8 +204,18 @@ class Sandbox:
             out.append(f"--nproc={self.max_procs}")
         return out
 
+    def _program_argv(self, cpu: float, uid: int | None, args: Sequence[str], host: bool) -> list[str]:
+        """As root, setpriv drops to the run's uid (no capabilities, no new privileges), then prlimit sets the
+        limits and execs the interpreter. `host`: the tools' host paths (else names, found by PATH inside bwrap)."""
+        tool = _tool if host else str
+        argv: list[str] = []
+        if uid is not None:
+            argv += [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                     "--bounding-set=-all", "--no-new-privs"]
+        return argv + [tool("prlimit"), *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
+
     def _run_bwrap(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str], wall: float,
-                   cpu: float, uid: int | None) -> SandboxResult:
+                   cpu: float, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
         fds: list[int] = []
         try:
             argv = [_bwrap_path(), *_bwrap_base(uid is not None, self.max_disk_mb, self.python)]
@@ -156,21 +223,17 @@ class Sandbox:
                 fd = _memfd(name, files[name])
                 fds.append(fd)
                 argv += ["--perms", "0644", "--file", str(fd), f"{WORKDIR}/{name}"]
-            argv += ["--"]
-            if uid is not None:
-                argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-                         "--bounding-set=-all", "--no-new-privs"]
-            argv += ["prlimit", *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
+            argv += ["--", *self._program_argv(cpu, uid, args, host=False)]
             stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
             file_fds = tuple(fds)
             fds.append(stdin_fd)
-            return self._execute(argv, stdin_fd, file_fds, None, wall, "bwrap", uid)
+            return self._execute(argv, stdin_fd, file_fds, None, wall, "bwrap", uid, cg)
         finally:
             for fd in fds:
                 os.close(fd)
 
     def _run_process(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str],
-                     wall: float, cpu: float, uid: int | None) -> SandboxResult:
+                     wall: float, cpu: float, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
         workdir = tempfile.mkdtemp(prefix="astratk-sandbox-")
         stdin_fd = -1
         try:
@@ -182,8 +245,9 @@ class Sandbox:
             if uid is not None:
                 os.chown(workdir, uid, uid)
             stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
-            argv = [*_prlimit_cmd(), *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
-            return self._execute(argv, stdin_fd, (), workdir, wall, "process", uid)
+            netns = [_tool("unshare"), "--net", "--"] if self.own_network else []
+            argv = netns + self._program_argv(cpu, uid, args, host=True)
+            return self._execute(argv, stdin_fd, (), workdir, wall, "process", uid, cg)
         finally:
             if stdin_fd >= 0:
                 os.close(stdin_fd)
@@ -191,26 +255,32 @@ class Sandbox:
 
     # -------------------------------------------------------------------------------------------------- execute
     def _execute(self, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], cwd: str | None, wall: float,
-                 isolation: str, uid: int | None) -> SandboxResult:
+                 isolation: str, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
         start = time.perf_counter()
         env = dict(_ENV, HOME=cwd or WORKDIR, TMPDIR=cwd or "/tmp")
-        # process mode drops to the run's uid in the child (Popen's user=/group= run in C between fork and exec, so
-        # this stays thread-safe, unlike a preexec_fn); bwrap mode drops later, inside the namespaces, via setpriv.
-        drop = {"user": uid, "group": uid, "extra_groups": []} if uid is not None and isolation == "process" else {}
+        # Everything before the program runs as root: the launcher joins the run's cgroup, then (process mode) unshare
+        # makes the network namespace, then setpriv drops to the run's uid. Nothing is done between fork and exec in
+        # Python (no preexec_fn), so this stays thread-safe.
+        argv = (cg.launcher() if cg is not None else []) + argv
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                                 env=env if isolation == "process" else {}, pass_fds=pass_fds, close_fds=True,
-                                start_new_session=True, **drop)
-        out, err, killed_by = self._collect(proc, start + wall, uid if isolation == "process" else None)
+                                start_new_session=True)
+        sweep = uid if isolation == "process" else None
+        out, err, killed_by = self._collect(proc, start + wall, sweep, cg)
         try:  # pipes closed need not mean exited: a program may close its stdout and stderr, then loop
             rc = proc.wait(timeout=max(0.0, start + wall - time.perf_counter()))
         except subprocess.TimeoutExpired:
             killed_by = killed_by or "wall_timeout"
-            _kill(proc, uid if isolation == "process" else None)
+            _kill(proc, sweep, cg)
             rc = proc.wait()
+        if cg is not None:
+            if killed_by is None and cg.oom_kills():
+                killed_by = "memory_limit"  # a process died of it, even if the program went on and exited
+            cg.kill()  # descendants that outlived the program, whatever uid or session they have
         if isolation == "process" and uid is not None:
-            _sweep_uid(uid)  # daemons a program left behind, even those that escaped its session
+            uids.sweep(uid)  # daemons a program left behind, even those that escaped its session
         elif killed_by is not None and uid is not None:
-            _wait_uid_gone(uid)  # the namespace dies with bwrap; wait so the next lease of this uid starts at 0
+            uids.wait_gone(uid)  # the namespace dies with bwrap; wait so the next lease of this uid starts at 0
         if isolation == "bwrap" and rc > 128 and killed_by is None:
             rc = -(rc - 128)  # bwrap reports a signal death of the program as 128+N
         if killed_by is None and rc < 0:
@@ -218,34 +288,43 @@ class Sandbox:
         return SandboxResult(returncode=rc, stdout=out[0].decode("utf-8", "replace"),
                              stderr=err[0].decode("utf-8", "replace"), stdout_truncated=out[1],
                              stderr_truncated=err[1], timed_out=killed_by == "wall_timeout", killed_by=killed_by,
-                             isolation=isolation, own_uid=uid is not None, wall_s=time.perf_counter() - start)
+                             isolation=isolation, own_uid=uid is not None, wall_s=time.perf_counter() - start,
+                             cgroup=cg is not None, own_network=self.own_network)
 
-    def _collect(self, proc: subprocess.Popen, deadline: float, sweep_uid: int | None
+    def _collect(self, proc: subprocess.Popen, deadline: float, sweep_uid: int | None, cg: cgroups.RunCgroup | None
                  ) -> tuple[tuple[bytes, bool], tuple[bytes, bool], str | None]:
-        """Read both pipes until EOF, keeping at most max_output_bytes each; kill on deadline or overflow."""
+        """Read both pipes until EOF, keeping at most max_output_bytes each; kill on deadline, overflow or the
+        first OOM kill in the run's cgroup (v1 kills one process; the rest of the run goes with it, as on v2)."""
         assert proc.stdout is not None and proc.stderr is not None
         cap = self.max_output_bytes
         bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
         trunc = dict.fromkeys(bufs, False)
         killed_by: str | None = None
         exited_at: float | None = None
+        oom_check = 0.0
         with selectors.DefaultSelector() as sel:
             for fd in bufs:
                 os.set_blocking(fd, False)
                 sel.register(fd, selectors.EVENT_READ)
             while sel.get_map():
                 now = time.perf_counter()
+                if cg is not None and killed_by is None and now >= oom_check:
+                    oom_check = now + _POLL_S
+                    if cg.oom_kills():
+                        killed_by = "memory_limit"
+                        _kill(proc, sweep_uid, cg)
+                        deadline = now + 5.0
                 if now >= deadline and killed_by is None:
                     killed_by = "wall_timeout"
-                    _kill(proc, sweep_uid)
+                    _kill(proc, sweep_uid, cg)
                     deadline = now + 5.0  # the pipes close once the killed processes are gone
                 elif now >= deadline:
                     break  # killed and still not closed: give up on the pipes rather than hang
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
-                elif exited_at is not None and now - exited_at > 0.2 and sweep_uid is not None:
-                    _sweep_uid(sweep_uid)  # the program exited but a descendant keeps the pipes open
-                    sweep_uid = None
+                elif exited_at is not None and now - exited_at > 0.2 and (sweep_uid is not None or cg is not None):
+                    _kill(proc, sweep_uid, cg)  # the program exited but a descendant keeps the pipes open
+                    sweep_uid = cg = None
                 for key, _ in sel.select(timeout=min(_POLL_S, max(0.0, deadline - now))):
                     fd = key.fd
                     try:
@@ -261,7 +340,7 @@ class Sandbox:
                         trunc[fd] = True
                         if killed_by is None:
                             killed_by = "output_limit"
-                            _kill(proc, sweep_uid)
+                            _kill(proc, sweep_uid, cg)
                     else:
                         buf += chunk
         fo, fe = list(bufs)
@@ -289,6 +368,22 @@ def bwrap_available() -> bool:
                     ok = False
             _PROBE["bwrap"] = ok
         return _PROBE["bwrap"]
+
+
+def netns_available() -> bool:
+    """True when, as root, `unshare --net` gives the process fallback a network namespace of its own (probed once)."""
+    with _PROBE_LOCK:
+        if "netns" not in _PROBE:
+            ok = False
+            exe = shutil.which("unshare")
+            if exe and os.geteuid() == 0 and sys.platform.startswith("linux"):
+                try:
+                    ok = subprocess.run([exe, "--net", "--", shutil.which("true") or "/bin/true"], check=False,
+                                        stdin=subprocess.DEVNULL, capture_output=True, timeout=30).returncode == 0
+                except (OSError, subprocess.TimeoutExpired):
+                    ok = False
+            _PROBE["netns"] = ok
+        return _PROBE["netns"]
 
 
 def _bwrap_path() -> str:
@@ -345,11 +440,11 @@ def _others_can_run(path: str) -> bool:
     return True
 
 
-def _prlimit_cmd() -> list[str]:
-    exe = shutil.which("prlimit")
+def _tool(name: str) -> str:
+    exe = shutil.which(name)
     if exe is None:
-        raise RuntimeError("the sandbox needs util-linux's `prlimit` (apt-get install -y util-linux)")
-    return [exe]
+        raise RuntimeError(f"the sandbox needs util-linux's `{name}` (apt-get install -y util-linux)")
+    return exe
 
 
 def _check_name(name: str) -> None:
@@ -377,53 +472,15 @@ def _memfd(name: str, content: str | bytes, readonly: bool = False) -> int:
         raise
 
 
-def _kill(proc: subprocess.Popen, uid: int | None) -> None:
-    """Kill the run's session (bwrap: the namespace dies with it) and, in process mode, everything its uid owns."""
+def _kill(proc: subprocess.Popen, uid: int | None, cg: cgroups.RunCgroup | None) -> None:
+    """Kill the run's session (bwrap: the namespace dies with it), everything in its cgroup and, in process mode,
+    everything its uid owns."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if cg is not None:
+        cg.kill()
     if uid is not None:
-        _sweep_uid(uid)
-
-
-def _uid_pids(uid: int, zombies: bool = False) -> list[int]:
-    """Processes whose real uid is `uid`. Zombies only with `zombies`: they hold no memory, and the run's own killed
-    child stays one until we reap it, but until their parent reaps them they count against RLIMIT_NPROC."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X") and not zombies:
-                        break
-                    if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return pids
-
-
-def _sweep_uid(uid: int, timeout: float = 5.0) -> None:
-    """Kill every process of `uid`: `kill(-1, SIGKILL)` sent *as* that uid reaches all of them in one atomic pass
-    (the kernel holds the task list while it signals, so a fork bomb cannot outrun it), whatever session they moved
-    to. Then wait until they are gone, so the uid's process count is back to 0 for the next lease."""
-    if not _uid_pids(uid):
-        return
-    killer = shutil.which("kill") or "/bin/kill"
-    argv = [killer, "-9", "-1"] if os.path.exists(killer) else [sys.executable, "-c", "import os; os.kill(-1, 9)"]
-    with contextlib.suppress(OSError):
-        subprocess.run(argv, check=False, user=uid, group=uid, extra_groups=[], env={}, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
-    _wait_uid_gone(uid, timeout)
-
-
-def _wait_uid_gone(uid: int, timeout: float = 5.0, zombies: bool = False) -> None:
-    end = time.perf_counter() + timeout
-    while _uid_pids(uid, zombies) and time.perf_counter() < end:
-        time.sleep(0.01)
+        uids.sweep(uid)
 
 
 def _signame(sig: int) -> str:
@@ -431,51 +488,3 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
-
-
-_LEASE_DIR = os.path.join(tempfile.gettempdir(), "astratk-sandbox-uids")
-_LEASED: set[int] = set()
-_LEASE_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _uid_lease(base: int, slots: int) -> Iterator[int | None]:
-    """A uid no other run uses right now, in this process or any other (flock on a per-uid file; the kernel drops the
-    lock if the holder dies). None when we are not root: then nothing can be dropped to."""
-    if os.geteuid() != 0:
-        yield None
-        return
-    os.makedirs(_LEASE_DIR, mode=0o700, exist_ok=True)
-    start = random.randrange(slots)
-    for attempt in range(100):
-        for k in range(slots):
-            uid = base + (start + k) % slots
-            with _LEASE_LOCK:
-                if uid in _LEASED:
-                    continue
-                _LEASED.add(uid)
-            fd = os.open(os.path.join(_LEASE_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                with _LEASE_LOCK:
-                    _LEASED.discard(uid)
-                continue
-            if _uid_pids(uid, zombies=True):  # leftovers of an earlier run still dying (a namespace's processes
-                _sweep_uid(uid)  # die asynchronously after bwrap exits) would count against this run's process limit
-                _wait_uid_gone(uid, zombies=True)  # killed ones stay zombies until their parent reaps them
-                if _uid_pids(uid, zombies=True):  # not reaped in time: use another uid
-                    os.close(fd)
-                    with _LEASE_LOCK:
-                        _LEASED.discard(uid)
-                    continue
-            try:
-                yield uid
-            finally:
-                os.close(fd)  # releases the flock
-                with _LEASE_LOCK:
-                    _LEASED.discard(uid)
-            return
-        time.sleep(0.01 * (attempt + 1))
-    raise RuntimeError(f"all {slots} sandbox uids from {base} are in use; raise uid_slots")

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import pickle
+import socket
 import uuid
 import zlib
 
@@ -18,11 +19,12 @@ import pytest
 
 from astratk.contracts import SamplingParams
 from astratk.engines import ScriptedEngine
+from astratk.envs.code import cgroup
 from astratk.envs.code.env import CodeEnv, extract_code, solution_code
 from astratk.envs.code.jsonl import load_problems
 from astratk.envs.code.tasks import FAMILIES, SyntheticTasks
 from astratk.models import build_char_tokenizer
-from tests.unit.test_sandbox import MODES, ROOT, UID_BASE, UID_SLOTS, host_is_fine
+from tests.unit.test_sandbox import MODES, ROOT, UID_BASE, UID_SLOTS, host_is_fine, need_cgroup, need_mode
 
 
 def block(code: str) -> str:
@@ -60,6 +62,7 @@ def test_every_family_has_distinct_hidden_tests_not_shown_in_the_prompt():
 # ------------------------------------------------------------------------------------------------------ scoring
 @pytest.fixture(scope="module", params=MODES)
 def env(request):
+    need_mode(request.param)
     env = CodeEnv(levels=(1, 2, 3), n_heldout=6, seed=3, test_timeout_s=0.5, isolation=request.param,
                   memory_mb=256, max_procs=16)
     env.sandbox.uid_base, env.sandbox.uid_slots = UID_BASE, UID_SLOTS  # see test_sandbox: our own stray range
@@ -75,6 +78,8 @@ def test_reference_solutions_score_one_and_wrong_ones_zero(env):
         assert scores[0].metrics["code/tests_passed"] == scores[0].metrics["code/tests_total"] == 5
         assert scores[0].isolation == env.sandbox.isolation
         assert scores[0].metrics["code/isolation_bwrap"] == float(env.sandbox.isolation == "bwrap")
+        assert scores[0].metrics["code/cgroup"] == float(cgroup.probe()[0] is not None)
+        assert scores[0].metrics["code/memory_limit"] == 0.0 and "code/own_network" in scores[0].metrics
         assert scores[2].metrics["code/no_code"] == 1.0
 
 
@@ -94,9 +99,38 @@ def test_partial_solutions_score_the_fraction_passed(env):
     assert env.score(task, []) == []
 
 
-def hostile_solutions(name: str, reference: str, tag: str) -> dict[str, str]:
+# Forks 8 children that each write 64 MB (under each one's 256 MB address-space limit), waits until all hold it, then
+# ends them: 512 MB in all, twice the run's cap (CodeEnv's memory_mb, below) and nothing to this machine.
+FORKING_MEMORY = """import os, time
+def _fork_memory():
+    r, w = os.pipe()
+    kids = []
+    for _ in range(8):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                block = b"x" * (64 << 20)
+                os.write(w, b"1")
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        kids.append(pid)
+    os.close(w)
+    got = b""
+    while len(got) < 8 and (chunk := os.read(r, 8)):
+        got += chunk
+    for pid in kids:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    os.close(r)
+    return len(got)
+"""
+
+
+def hostile_solutions(name: str, reference: str, tag: str, port: int) -> dict[str, str]:
     """Each attempts an escape and, where it could, answers correctly only if the escape worked: contained, the
-    attempt fails and the solution scores 0 (so a 0 here shows containment, not a wrong answer)."""
+    attempt fails and the solution scores 0 (so a 0 here shows containment, not a wrong answer). `port`: a listener
+    on the host's loopback, started by the test."""
     def gated(attempt: str) -> str:
         return f"{reference}\n_ok = {name}\ndef {name}(*args):\n    {attempt}\n    return _ok(*args)\n"
 
@@ -104,7 +138,7 @@ def hostile_solutions(name: str, reference: str, tag: str) -> dict[str, str]:
         "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
         "infinite_loop": f"def {name}(*args):\n    while True:\n        pass\n",
         "memory_bomb": gated("x = [bytearray(10 ** 7) for _ in range(10 ** 4)]"),
-        "network": "import socket\n" + gated("socket.create_connection(('1.1.1.1', 80), timeout=1)"),
+        "network": "import socket\n" + gated(f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()"),
         "write_outside": gated(f"[open(d + '/evil-{tag}', 'w').write('x') for d in ('/root', '/work')]"),
         "env_secret": "import os\n" + gated("os.environ['ASTRATK_TEST_SECRET']"),
         "huge_output": "import os, sys\nwhile True:\n    print('x' * 4096)\n    os.write(1, b'y' * 4096)\n"
@@ -119,18 +153,47 @@ def test_hostile_solutions_score_zero_and_leave_the_host_alone(env, monkeypatch)
     monkeypatch.setenv("ASTRATK_TEST_SECRET", "hunter2")
     task = next(iter(env.tasks("heldout")))
     tag = uuid.uuid4().hex
-    programs = hostile_solutions(task.info["entry_point"], task.info["reference"], tag)
-    harmless = programs["network"].replace("socket.create_connection(('1.1.1.1', 80), timeout=1)", "socket.gethostname()")
-    assert env.grade(task, block(harmless)) == 1.0  # the gate passes when the attempt succeeds
-    if env.sandbox.isolation == "process":
-        programs.pop("network")  # the fallback shares the host's network; it reports isolation='process'
-    if not ROOT:
-        programs.pop("fork_bomb")  # no uid to drop to: only the wall clock would stop it (test_sandbox skips too)
-    scores = env.score_details(task, [block(code) for code in programs.values()])
+    with socket.socket() as server:  # a host service the sandbox must not reach
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        programs = hostile_solutions(task.info["entry_point"], task.info["reference"], tag, port)
+        harmless = programs["network"].replace(f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()",
+                                               "socket.gethostname()")
+        assert env.grade(task, block(harmless)) == 1.0  # the gate passes when the attempt succeeds
+        if not env.sandbox.own_network:
+            programs.pop("network")  # the host's network (process mode without root); results say so
+        if not ROOT:
+            programs.pop("fork_bomb")  # no uid to drop to: only the wall clock would stop it (test_sandbox skips too)
+        scores = env.score_details(task, [block(code) for code in programs.values()])
+        with pytest.raises(BlockingIOError):
+            server.accept()  # no connection ever arrived
     assert {k: s.reward for k, s in zip(programs, scores)} == dict.fromkeys(programs, 0.0)
     assert all(s.metrics["code/infra_error"] == 0.0 for s in scores)
     assert not any(os.path.exists(f"{d}/evil-{tag}") for d in ("/root", "/work", "/tmp"))
     host_is_fine()
+
+
+def test_forking_memory_bomb_scores_zero_because_of_the_run_cap(env):
+    """Its own envs: a 5 s per-test budget, so only memory can stop it. Under the run's 256 MB cap it scores 0; with a
+    1.5 GB cap it allocates everything and scores 1, so the 0 is the cap's doing."""
+    need_cgroup()
+    task = next(iter(env.tasks("heldout")))
+    name, reference = task.info["entry_point"], task.info["reference"]
+    code = block(f"{FORKING_MEMORY}{reference}\n_ok = {name}\ndef {name}(*args):\n"
+                 f"    assert _fork_memory() == 8\n    return _ok(*args)\n")
+    rewards = []
+    for run_memory_mb in (None, 1536):
+        capped = CodeEnv(levels=(1, 2, 3), n_heldout=6, seed=3, test_timeout_s=5.0, isolation=env.sandbox.isolation,
+                         memory_mb=256, max_procs=16)
+        capped.sandbox.uid_base, capped.sandbox.uid_slots = UID_BASE, UID_SLOTS
+        capped.sandbox.run_memory_mb = run_memory_mb or capped.sandbox.run_memory_mb  # CodeEnv does not expose it
+        [score] = capped.score_details(task, [code])
+        assert score.metrics["code/infra_error"] == 0.0
+        rewards.append(score.reward)
+        host_is_fine()
+    assert rewards == [0.0, 1.0]
 
 
 def test_rollout_then_score(env):
@@ -214,7 +277,8 @@ def test_loaders_read_the_three_formats(tmp_path):
 
 def test_file_problems_score_in_the_sandbox(tmp_path):
     rows = HUMANEVAL + MBPP + LCB
-    env = CodeEnv(data=write_jsonl(tmp_path / "mixed.jsonl", rows), n_heldout=1, seed=0, test_timeout_s=1.0)
+    env = CodeEnv(data=write_jsonl(tmp_path / "mixed.jsonl", rows), n_heldout=1, seed=0, test_timeout_s=1.0,
+                  max_procs=16)  # 64 x 512 MB would fail the sandbox's RAM guard where no cgroup can be made
     tasks = {t.task_id: t for t in itertools.chain(env.tasks("heldout"), itertools.islice(env.tasks("train"), 4))}
     assert len(tasks) == 5
     he0, he1, mbpp = tasks["code/HumanEval/0"], tasks["code/HumanEval/1"], tasks["code/mbpp/11"]
@@ -270,7 +334,7 @@ def test_large_outputs_compare_by_digest(tmp_path):
     row = {"question_id": "big", "question_content": "Print 0..n-1, one per line.", "private_test_cases": [],
            "public_test_cases": [{"input": "20000\n", "output": big, "testtype": "stdin"},
                                  {"input": "3\n", "output": "0\n1\n2\n", "testtype": "stdin"}]}
-    env = CodeEnv(data=write_jsonl(tmp_path / "big.jsonl", [row, LCB[0]]), n_heldout=1, seed=0)
+    env = CodeEnv(data=write_jsonl(tmp_path / "big.jsonl", [row, LCB[0]]), n_heldout=1, seed=0, max_procs=16)
     task = next(t for t in itertools.chain(env.tasks("heldout"), itertools.islice(env.tasks("train"), 1))
                 if t.task_id == "code/livecodebench/big")
     right = block("n = int(input())\nfor i in range(n):\n    print(i, end='  \\n')")  # trailing spaces ignored

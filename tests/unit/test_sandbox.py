@@ -1,27 +1,36 @@
-"""The sandbox contains hostile programs: fork bombs, infinite loops, memory bombs, network connections, writes outside
-the sandbox, secret-reading and output floods each end contained, and the host can still fork, has no stray processes,
-and holds no file the program wrote. Every test runs in each isolation mode this machine has: bubblewrap when it is
-installed (`apt-get install -y bubblewrap`), and always the process fallback (whose weaker containment, shared
-network and shared /tmp, is asserted to be *reported*, not hidden)."""
+"""The sandbox contains hostile programs: fork bombs, infinite loops, memory bombs (also ones that fork first),
+network connections, writes outside the sandbox, secret-reading and output floods each end contained, and the host can
+still fork, has no stray processes or cgroups, and holds no file the program wrote. Every test runs in each isolation
+mode this machine has: bubblewrap when it is installed (`apt-get install -y bubblewrap`), and always the process
+fallback (whose weaker containment, shared /tmp and, without root, shared network, is asserted to be *reported*, not
+hidden).
+
+Skips that would hide the strongest containment turn into failures on request: `ASTRATK_REQUIRE_BWRAP=1` (CI sets it)
+when bubblewrap cannot create namespaces, `ASTRATK_REQUIRE_CGROUP=1` when no per-run cgroup can be made."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from astratk.envs.code.sandbox import Sandbox, bwrap_available
+from astratk.envs.code import cgroup as cgroups
+from astratk.envs.code.sandbox import RAM_SHARE, Sandbox, SandboxResult, bwrap_available
 
 ROOT = os.geteuid() == 0
-MODES = [pytest.param("bwrap", marks=pytest.mark.skipif(not bwrap_available(), reason="bubblewrap is not installed "
-                                                         "or cannot create namespaces here (apt-get install -y "
-                                                         "bubblewrap)")),
+REQUIRE_BWRAP = os.environ.get("ASTRATK_REQUIRE_BWRAP") == "1"
+REQUIRE_CGROUP = os.environ.get("ASTRATK_REQUIRE_CGROUP") == "1"
+NO_BWRAP = "bubblewrap is not installed or cannot create namespaces here (apt-get install -y bubblewrap)"
+# with ASTRATK_REQUIRE_BWRAP=1 the bwrap cases are not skipped: `need_mode` fails them with the reason
+MODES = [pytest.param("bwrap", marks=pytest.mark.skipif(not bwrap_available() and not REQUIRE_BWRAP, reason=NO_BWRAP)),
          "process"]
 # A uid range of this test process's own: other processes (a concurrent test run) may be sandboxing too, and their
 # live programs must not count as our strays.
@@ -29,7 +38,52 @@ UID_SLOTS = 64
 UID_BASE = 2_000_000 + (os.getpid() % 4096) * UID_SLOTS
 
 
+def need_mode(mode: str) -> None:
+    if mode == "bwrap" and not bwrap_available():
+        pytest.fail(f"ASTRATK_REQUIRE_BWRAP=1 but {NO_BWRAP}")
+
+
+def cgroup_mkdir_works() -> bool:
+    """Whether, asked directly (not through the sandbox), we may make a cgroup under our own with memory and pids
+    limits (v1 at /sys/fs/cgroup/{memory,pids}, or v2 at /sys/fs/cgroup with both handed down)."""
+    v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+    dirs = {}  # controller -> our cgroup's directory
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ("memory", "pids"):
+                if not v2 and c in ctrls.split(","):
+                    dirs[c] = f"/sys/fs/cgroup/{c}{path}"
+                if v2 and ctrls == "":
+                    dirs[c] = f"/sys/fs/cgroup{path}"
+    limits = {"memory": ("memory.max", "memory.limit_in_bytes"), "pids": ("pids.max",)}
+    made: list[str] = []
+    try:
+        for c in ("memory", "pids"):
+            d = os.path.join(dirs.get(c, "/nonexistent"), f"astratk-test-{os.getpid()}")
+            if d not in made:
+                os.mkdir(d)
+                made.append(d)
+            if not any(os.path.exists(os.path.join(d, name)) for name in limits[c]):
+                return False
+        return True
+    except OSError:
+        return False
+    finally:
+        for d in made:
+            os.rmdir(d)
+
+
+def need_cgroup() -> None:
+    layout, why = cgroups.probe()
+    if layout is None:
+        if REQUIRE_CGROUP or cgroup_mkdir_works():  # the machine allows one but the sandbox made none: a bug
+            pytest.fail(f"no per-run cgroup made, though this machine allows one (or ASTRATK_REQUIRE_CGROUP=1): {why}")
+        pytest.skip(f"no per-run cgroup can be made here: {why}")
+
+
 def sandbox(mode: str, **kw) -> Sandbox:
+    need_mode(mode)
     opts = {"wall_s": 10.0, "cpu_s": 5.0, "memory_mb": 256, "max_procs": 16, "max_output_bytes": 4096} | kw
     return Sandbox(isolation=mode, uid_base=UID_BASE, uid_slots=UID_SLOTS, **opts)
 
@@ -58,9 +112,20 @@ def world_executable(path: str) -> bool:
     return True
 
 
+def sandbox_cgroups() -> list[str]:
+    """Run cgroups this test process made that still exist, found by walking /sys/fs/cgroup (not through the
+    sandbox's own bookkeeping)."""
+    name = re.compile(re.escape(f"{cgroups.PREFIX}{os.getpid()}-") + r"\d+")
+    found = []
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        found += [os.path.join(root, d) for d in dirs if name.fullmatch(d)]
+    return found
+
+
 def host_is_fine() -> None:
     assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork and exec
     assert stray_processes() == []
+    assert sandbox_cgroups() == []
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -135,19 +200,38 @@ def test_file_size_is_limited(mode):
     assert r.returncode != 0 and "File too large" in r.stderr
 
 
+def unshare_net_works() -> bool:
+    """Whether this machine lets us make a network namespace, asked directly (not through the sandbox)."""
+    try:
+        return ROOT and subprocess.run(["unshare", "--net", "--", "true"], check=False,
+                                       capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_no_network(mode):
-    if mode == "process":
-        pytest.skip("process isolation shares the host's network; it says so as isolation='process'")
+    sb = sandbox(mode)
+    assert sb.own_network == (mode == "bwrap" or unshare_net_works())  # used wherever the machine allows it
     with socket.socket() as server:  # a host service the sandbox must not reach
         server.bind(("127.0.0.1", 0))
         server.listen()
+        server.setblocking(False)
         port = server.getsockname()[1]
         code = (f"import socket\nfor addr in [('1.1.1.1', 80), ('127.0.0.1', {port})]:\n    try:\n"
                 "        socket.create_connection(addr, timeout=2)\n        print('connected', addr)\n"
                 "    except OSError as e:\n        print('refused', addr)\n")
-        r = sandbox(mode).run(code)
-    assert "connected" not in r.stdout and r.stdout.count("refused") == 2
+        r = sb.run(code)
+        try:
+            server.accept()[0].close()
+            seen = True
+        except BlockingIOError:
+            seen = False
+    assert r.own_network == sb.own_network and r.returncode == 0, r
+    if r.own_network:
+        assert "connected" not in r.stdout and r.stdout.count("refused") == 2 and not seen
+    else:  # reported as shared: then the report is true (the listener saw the program)
+        assert f"connected ('127.0.0.1', {port})" in r.stdout and seen
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -216,7 +300,7 @@ def test_rejects_bad_settings_and_names():
         Sandbox(isolation="docker")
     with pytest.raises(ValueError, match="wall_s"):
         Sandbox(wall_s=0)
-    sb = Sandbox(isolation="process")
+    sb = Sandbox(isolation="process", max_procs=16)
     for bad in ["../x", "/etc/passwd", "a//b", "main.py"]:
         with pytest.raises(ValueError):
             sb.run("pass", files={bad: "x"})
@@ -241,3 +325,134 @@ def test_a_uids_leftover_processes_are_swept_before_its_next_run(mode):
             p.kill()
         reaper.shutdown()
     host_is_fine()
+
+
+# ------------------------------------------------------------------------------------------- whole-run cgroup
+FORKING_MEMORY_BOMB = """import os, time
+r, w = os.pipe()
+for i in range(8):
+    if os.fork() == 0:
+        try:
+            os.close(r)
+            block = b"x" * (64 << 20)  # written, so every page is resident: 8 x 64 MB in all
+            os.write(w, b"1")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+os.close(w)
+ready = 0
+while ready < 8:
+    chunk = os.read(r, 8)
+    if not chunk:
+        break
+    ready += len(chunk)
+print(ready, "ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_bomb_that_forks_first_is_capped_for_the_whole_run(mode):
+    """Each child stays under its own 256 MB address-space limit; together they need 512 MB, far from what this
+    machine has, but over the run's 256 MB: the run is killed whole. With room for all 8 they all allocate, which
+    shows the program works and that the cap, not something else, stopped it."""
+    need_cgroup()
+    r = sandbox(mode, memory_mb=256, max_procs=16).run(FORKING_MEMORY_BOMB)
+    assert r.cgroup and r.killed_by == "memory_limit" and not r.ok, r
+    assert "8 ready" not in r.stdout
+    host_is_fine()
+    roomy = sandbox(mode, memory_mb=256, run_memory_mb=1536, max_procs=16).run(FORKING_MEMORY_BOMB)
+    assert roomy.stdout == "8 ready\n" and roomy.ok, roomy
+    host_is_fine()  # the 8 sleeping children died with the run
+
+
+def observe(sb: Sandbox, code: str) -> tuple[SandboxResult, dict[str, str]]:
+    """Run `code` in a thread and read the limits of the run's cgroup(s) while it runs."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(sb.run, code)
+        limits: dict[str, str] = {}
+        end = time.perf_counter() + 5
+        while not limits and time.perf_counter() < end and not fut.done():
+            for d in sandbox_cgroups():
+                for f in ("memory.max", "memory.limit_in_bytes", "pids.max"):
+                    if os.path.exists(os.path.join(d, f)):
+                        with open(os.path.join(d, f)) as fh:
+                            limits[f] = fh.read().strip()
+            time.sleep(0.01)
+        return fut.result(), limits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_run_has_a_capped_cgroup_removed_after_exit_and_timeout(mode):
+    need_cgroup()
+    sb = sandbox(mode, memory_mb=200, run_memory_mb=300, max_procs=12, wall_s=1.5)
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(0.5)\nprint('done')\n"
+    r, limits = observe(sb, code)
+    assert r.stdout == "done\n" and r.ok and r.cgroup, r
+    assert limits.get("memory.max", limits.get("memory.limit_in_bytes")) == str(300 << 20)
+    assert limits["pids.max"] == str(12 + 2)  # the program's 12 and bwrap's own two
+    host_is_fine()  # removed after a normal exit, with the daemon it left killed
+    r, limits = observe(sb, code.replace("time.sleep(0.5)", "time.sleep(60)"))
+    assert r.timed_out and limits, r
+    host_is_fine()  # ... and after a timeout
+
+
+def test_without_a_cgroup_a_ram_guard_refuses_what_could_exhaust_the_machine(monkeypatch):
+    monkeypatch.setitem(cgroups._PROBE, "layout", (None, "simulated: no writable cgroup"))
+    ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+    many = int(RAM_SHARE * ram_mb) // 512 + 1  # max_procs x 512 MB just over the share
+    with pytest.raises(ValueError, match="cgroup=True but no cgroup can be made here: simulated"):
+        Sandbox(isolation="process", cgroup=True)
+    if ROOT:
+        with pytest.raises(ValueError, match=r"no cgroup can cap .*simulated.* lower them so the product stays"):
+            Sandbox(isolation="process", memory_mb=512, max_procs=many)
+    fits = sandbox("process", memory_mb=512, max_procs=many - 2)
+    r = fits.run("print('ok')")
+    assert (r.stdout, r.cgroup, fits.cgroup) == ("ok\n", False, False)  # the guard, not a cgroup, bounded it
+    with pytest.raises(ValueError, match="run_memory_mb"):
+        Sandbox(isolation="process", run_memory_mb=0)
+
+
+def test_cgroup_layout_is_read_from_proc(tmp_path):
+    v1 = "4:memory:/jobs/a\n8:pids:/\n0::/\n"
+    mounts_v1 = ("35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+                 "39 31 0:36 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n"
+                 "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+    layout, _ = cgroups._layout(v1, mounts_v1)  # the hybrid v2 tree has no controllers: v1 it is
+    assert layout == cgroups.Layout(1, ("/sys/fs/cgroup/memory/jobs/a", "/sys/fs/cgroup/pids"), ("/jobs/a", "/"))
+    container = "4:memory,pids:/docker/x\n"  # a container's mount shows only its own subtree
+    mounts = "35 31 0:32 /docker/x /sys/fs/cgroup/mp rw - cgroup cgroup rw,memory,pids\n"
+    layout, _ = cgroups._layout(container, mounts)
+    assert layout == cgroups.Layout(1, ("/sys/fs/cgroup/mp",), ("/docker/x",))
+    (tmp_path / "svc").mkdir()
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu memory pids\n")  # delegated v2
+    layout, _ = cgroups._layout("0::/svc\n", f"30 23 0:26 / {tmp_path} rw - cgroup2 cgroup2 rw\n")
+    assert layout == cgroups.Layout(2, (str(tmp_path / "svc"),), ("/svc",))
+    layout, why = cgroups._layout("0::/other\n", f"30 23 0:26 /svc {tmp_path} rw - cgroup2 cgroup2 rw\n")
+    assert layout is None and "outside the mounted tree" in why
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_that_cannot_join_its_cgroup_does_not_run(mode, monkeypatch):
+    need_cgroup()
+    real = cgroups.RunCgroup.launcher
+    monkeypatch.setattr(cgroups.RunCgroup, "launcher", lambda self: [*real(self)[:4], "/nonexistent/cgroup.procs", "--"])
+    r = sandbox(mode).run("print('ran outside')")
+    assert (r.returncode, r.stdout) == (125, "") and "cannot join cgroup" in r.stderr, r
+    host_is_fine()
+
+
+def test_cgroups_left_by_a_dead_host_process_are_removed():
+    need_cgroup()
+    layout, _ = cgroups.probe()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is free now (and not reused within this test, pids only grow until they wrap)
+    stale = [os.path.join(p, f"{cgroups.PREFIX}{dead.pid}-0") for p in layout.parents]
+    for d in stale:
+        os.mkdir(d)
+    try:
+        cgroups._reap_stale(layout)
+        assert not any(os.path.exists(d) for d in stale)
+    finally:
+        for d in stale:
+            if os.path.exists(d):
+                os.rmdir(d)
