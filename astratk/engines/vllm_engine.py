@@ -6,8 +6,10 @@ subprocess, which a daemonic Dask worker may not start. This engine drives vLLM'
 and tests. It is still continuous batching: every call to `generate`, from any thread or event loop, queues its
 requests; the serving thread adds queued requests to the running batch before each decode step (`LLMEngine.add_request`
 then `step`), so episodes join and leave the batch token by token, and their shared prefixes (the group's prompt,
-earlier turns of a conversation) are computed once by vLLM's prefix cache. `n` samples of a prompt are `n` requests
-(vLLM's own `n` fans out the same way); give each its own seed.
+earlier turns of a conversation) are computed once by vLLM's prefix cache (in whole blocks: `block_size`, 128 tokens
+by default on CPU; `stats["cached_tokens"]` counts the hits). `SamplingParams.n` is expanded by `expand_samples` into n
+requests seeded seed, seed + 1, ... (vLLM's own `n` is not used). vLLM runs in this process only: engine arguments
+that would start worker processes (`tensor_parallel_size` > 1 and the like) are refused at construction.
 
 Log-probs. vLLM returns log-probs of the *processed* distribution (`logprobs_mode="processed_logprobs"`: temperature
 applied; T = 0 is greedy, scored with the untempered softmax), the same quantity as TorchEngine and the trainer's
@@ -18,12 +20,15 @@ pass their stop tokens, as with TorchEngine). The stopping token is kept.
 
 Weights and versions. `load_weights(state_or_delta, version)` is applied between requests: it waits until the
 requests in flight finish (no new request starts meanwhile), loads the tensors into vLLM's model, re-packs CPU linear
-layers (`_vllm_compat`, trap 4), resets the prefix cache (KV computed under old weights must not be reused), then
-lets queued requests in. Every token of a completion therefore carries one version. A `SparseDelta` applies to a
-host copy of the weights (kept by name, as saved by transformers; costs one model's size in host memory) and loads
-only the tensors it changes.
+layers (`_vllm_compat`, trap 4; `stats["last_repacked"]` counts them), resets the prefix cache (KV computed under old
+weights must not be reused), then lets queued requests in. Every token of a completion therefore carries one version.
+A `SparseDelta` applies to a host copy of the weights (kept by name, as saved by transformers; costs one model's size
+in host memory) and loads only the tensors it changes. A load rejected before it changes anything (a delta for another
+version) leaves the engine as it was; one that fails after it began writing weights (vLLM's load raised, or the prefix
+cache would not reset) leaves weights that are neither version, so the engine is marked broken: that load, the
+requests queued behind it and every later call fail with the cause, and the engine must be rebuilt.
 
-Extra vLLM arguments pass through `**engine_args` (e.g. `gpu_memory_utilization=0.4`, `tensor_parallel_size`); a
+Extra vLLM arguments pass through `**engine_args` (e.g. `gpu_memory_utilization=0.4`, `block_size=32`); a
 run sets them with `rollout.engine_args`. The model directory needs a head dimension vLLM's CPU attention supports
 (32, 64, 80, ...).
 """
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import glob
 import itertools
 import json
@@ -46,7 +52,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from astratk.contracts import Completion, GenerationRequest
+from astratk.contracts import Completion, GenerationRequest, expand_samples
 from astratk.engines import _vllm_compat as compat
 from astratk.engines.torch_engine import _Call, _settle, check_prompt
 
@@ -96,6 +102,7 @@ class VLLMEngine:
         path = os.fspath(model_path)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"VLLMEngine: no HF model directory at {path!r} (config.json missing)")
+        compat.check_single_process(engine_args)
         self._vllm = compat.import_vllm()
         self._path, self._dtype, self._version, self._load_timeout = path, dtype, version, load_timeout_s
         with open(os.path.join(path, "config.json")) as f:
@@ -127,7 +134,9 @@ class VLLMEngine:
         self._running: dict[str, _Running] = {}
         self._ids = itertools.count()
         self._closed, self._start_error, self._started = False, None, threading.Event()
-        self._stats = {"steps": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0, "loads": 0}
+        self._broken: RuntimeError | None = None  # set when a load failed half-way (module docstring)
+        self._stats = {"steps": 0, "requests": 0, "tokens": 0, "cached_tokens": 0, "max_batch_seen": 0, "errors": 0,
+                       "loads": 0, "last_repacked": 0}
         self._load_seconds: list[float] = []
         self._worker = threading.Thread(target=self._serve, name="VLLMEngine-serve", daemon=True)
         t0 = time.perf_counter()
@@ -151,22 +160,27 @@ class VLLMEngine:
         return self._tokenizer
 
     @property
+    def broken(self) -> RuntimeError | None:
+        """Why the engine cannot serve any more (a weight load failed half-way), or None; the rollout service then
+        closes it and builds a new one."""
+        return self._broken
+
+    @property
     def stats(self) -> dict[str, Any]:
-        """Counters: decode steps, requests and tokens served, most requests in one step, failures, weight loads and
-        the last load's seconds."""
+        """Counters: decode steps, requests and tokens served, prompt tokens read from the prefix cache, most requests
+        in one step, failures, weight loads, CPU linear layers the last load re-packed, and the last load's seconds."""
         return {**self._stats, "last_load_s": self._load_seconds[-1] if self._load_seconds else None}
 
     def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future:
-        """Queue requests from any thread; the future resolves to their completions, in order."""
-        call = _Call(list(requests))
+        """Queue requests from any thread; the future resolves to their completions, in order (n per request)."""
+        call = _Call(expand_samples(requests))
         for r in call.requests:
             self._validate(r)
         if not call.requests:
             call.future.set_result([])
             return call.future
         with self._cond:
-            if self._closed:
-                raise RuntimeError("engine is closed")
+            self._check_usable()
             self._pending.extend((call, i) for i in range(len(call.requests)))
             self._cond.notify_all()
         return call.future
@@ -180,8 +194,7 @@ class VLLMEngine:
         self._check_update(state, version)
         job = _Load(state, version)
         with self._cond:
-            if self._closed:
-                raise RuntimeError("engine is closed")
+            self._check_usable()
             self._loads.append(job)
             self._cond.notify_all()
         try:
@@ -208,6 +221,13 @@ class VLLMEngine:
         return f"VLLMEngine({self._path!r}, version={self._version}, device={'cpu' if self._cpu else 'cuda'})"
 
     # ------------------------------------------------------------------------------------------------ checks
+    def _check_usable(self) -> None:
+        """Under `self._cond`: refuse new work once closed or broken."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        if self._broken is not None:
+            raise RuntimeError(str(self._broken)) from self._broken.__cause__
+
     def _validate(self, r: GenerationRequest) -> None:
         check_prompt(r, self._vocab)
         if len(r.prompt_ids) + r.params.max_tokens > self._max_len:
@@ -250,9 +270,13 @@ class VLLMEngine:
                     self._llm = self._vllm.LLM(**self._llm_args)
             self._engine = self._llm.llm_engine
             compat.engine_started()
+            compat.check_in_process(self._engine)
             self._warm_up()
         except BaseException as e:  # noqa: BLE001 - reported by the constructor
             self._start_error = e
+            if getattr(self, "_engine", None) is not None:  # built, then failed a check or the warm-up
+                with contextlib.suppress(Exception):
+                    compat.shutdown_engine_core(self._engine)
             self._started.set()
             return
         self._started.set()
@@ -332,6 +356,7 @@ class VLLMEngine:
             if out.finished:
                 del self._running[out.request_id]
                 self._stats["tokens"] += len(run.tokens)
+                self._stats["cached_tokens"] += out.num_cached_tokens or 0
                 if c.finish_reason not in ("stop", "length"):
                     self._fail_call(run.call, RuntimeError(f"vLLM ended request with {c.finish_reason!r}"))
                     continue
@@ -356,54 +381,84 @@ class VLLMEngine:
                 pass
 
     def _apply(self, load: _Load) -> None:
-        from astratk.weights.delta import SparseDelta, apply_delta
-
         t0 = time.perf_counter()
         try:
-            if isinstance(load.state, SparseDelta):
-                if load.state.base_version != self._version:
-                    raise ValueError(f"engine is at version {self._version}, the delta needs base version "
-                                     f"{load.state.base_version}: fetch a full state instead")
-                tensors = {name: self._host[name] for name in apply_delta(self._host, load.state)}
-            else:
-                tensors = dict(load.state)
-                if self._host is not None:
-                    with torch.no_grad():
-                        for name, t in tensors.items():
-                            self._host[name].copy_(t)
-            self._engine.apply_model(lambda model: _load_into(model, tensors, self._cpu))
-            if not self._engine.reset_prefix_cache():
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (blocks still in use)")
-            self._version = load.version
-        except BaseException as e:  # noqa: BLE001 - the caller of load_weights gets it
+            tensors = self._stage(load.state)
+        except ValueError as e:  # nothing was written: the engine stays as it was
             self._stats["errors"] += 1
             _settle(load.future, error=e)
             return
+        try:
+            counts = self._engine.apply_model(lambda model: _load_into(model, tensors, self._cpu))
+            if not self._engine.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use), so prompts would "
+                                   "reuse KV computed under the old weights")
+        except BaseException as e:  # noqa: BLE001 - weights half-written: no version describes them
+            self._break(load, e)
+            return
+        self._version = load.version
         self._stats["loads"] += 1
+        self._stats["last_repacked"] = sum(counts)
         self._load_seconds.append(time.perf_counter() - t0)
         _settle(load.future, result=None)
 
-    def _shutdown(self) -> None:
+    def _stage(self, state: Any) -> dict[str, torch.Tensor]:
+        """The tensors to hand vLLM, with the host copy updated. A ValueError means nothing was written."""
+        from astratk.weights.delta import SparseDelta, apply_delta
+
+        if isinstance(state, SparseDelta):
+            if state.base_version != self._version:
+                raise ValueError(f"engine is at version {self._version}, the delta needs base version "
+                                 f"{state.base_version}: fetch a full state instead")
+            return self._tied({name: self._host[name] for name in apply_delta(self._host, state)})  # checks first
+        if self._host is not None:
+            with torch.no_grad():
+                for name, t in state.items():
+                    self._host[name].copy_(t)
+        return self._tied(dict(state))
+
+    def _tied(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A tied model's head is its embedding. vLLM skips `lm_head.weight`, and when a load lacks the embedding's
+        name it raises ("... the tied weight is uninitialized") after writing the rest: send the head under it."""
+        if self._config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
+            tensors.setdefault("model.embed_tokens.weight", tensors["lm_head.weight"])
+        return tensors
+
+    def _break(self, load: _Load, cause: BaseException) -> None:
+        """A load failed after it began writing weights: fail it, everything queued, and every later call."""
+        error = RuntimeError(f"VLLMEngine is broken: the weight load to version {load.version} failed after it began "
+                             f"writing weights ({type(cause).__name__}: {cause}), so its weights and prefix cache "
+                             f"match neither version {self._version} nor {load.version}; close it and build a new one")
+        error.__cause__ = cause
+        self._stats["errors"] += 1
+        with self._cond:
+            self._broken = error
+        self._fail_queued(error, error)
+        _settle(load.future, error=error)
+
+    def _fail_queued(self, call_error: BaseException, load_error: BaseException) -> None:
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
             loads, self._loads = list(self._loads), collections.deque()
-        error = RuntimeError("engine closed before this request finished")
         for call, _ in pending:
-            _settle(call.future, error=error)
+            _settle(call.future, error=call_error)
+        for job in loads:
+            _settle(job.future, error=load_error)
+
+    def _shutdown(self) -> None:
+        error = RuntimeError("engine closed before this request finished")
+        self._fail_queued(error, RuntimeError("engine closed before this weight load"))
         for call in {id(r.call): r.call for r in self._running.values()}.values():
             self._fail_call(call, error)
-        for job in loads:
-            _settle(job.future, error=RuntimeError("engine closed before this weight load"))
         compat.shutdown_engine_core(self._engine)
 
 
 def _load_into(model: Any, tensors: Mapping[str, torch.Tensor], cpu: bool) -> int:
-    """Runs inside vLLM's worker: load HF-named tensors (vLLM maps them onto its fused layers), re-pack on CPU."""
+    """Runs inside vLLM's worker: load HF-named tensors (vLLM maps them onto its fused layers), re-pack on CPU;
+    returns how many linear layers were re-packed (0 off CPU)."""
     with torch.no_grad():
         model.load_weights(iter(tensors.items()))
-    if cpu:
-        compat.repack_cpu_linears(model)
-    return len(tensors)
+    return compat.repack_cpu_linears(model) if cpu else 0
 
 
 def _state_files(path: str) -> list[str]:

@@ -12,6 +12,7 @@ Extending: engines come from `astratk.registry` by `RolloutSpec.engine`; envs fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -127,6 +128,11 @@ class RolloutService:
     def engine(self, policy_id: str, purpose: str = "rollout") -> Engine:
         with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
             key = (purpose, policy_id)
+            broken = getattr(self._engines.get(key), "broken", None)
+            if broken is not None:  # a weight load failed half-way (VLLMEngine): rebuild at version 0; sync catches up
+                warnings.warn(f"rebuilding the {purpose} engine of policy {policy_id!r}: {broken}", stacklevel=2)
+                with contextlib.suppress(Exception):
+                    self._engines.pop(key).close()
             if key not in self._engines:
                 cls = resolve("engine", self.spec.rollout.engine)
                 self._engines[key] = cls(self.ctx.model_paths[policy_id],

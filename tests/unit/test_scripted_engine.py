@@ -75,3 +75,34 @@ def test_build_engine_by_short_name():
     assert isinstance(engine, ScriptedEngine) and gen(engine, [req()])[0].token_ids == (9,)
     with pytest.raises(ValueError, match="choose one of"):
         build_engine("nope", None)
+
+
+def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
+    """An engine whose weight load failed half-way reports `broken` (VLLMEngine); the service closes it and builds
+    a new one at the next use instead of failing every rollout from then on."""
+    from astratk.rollout import service as service_module
+    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.spec import RolloutSpec, RunSpec
+
+    built: list[ScriptedEngine] = []
+
+    class Breakable(ScriptedEngine):
+        broken = None
+
+        def __init__(self, path, **kwargs):
+            super().__init__(None, [[1]])
+            self.closed = False
+            built.append(self)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(service_module, "resolve", lambda kind, name: Breakable)
+    spec = RunSpec(rollout=RolloutSpec(engine="scripted")).validate()
+    service = RolloutService(RunContext("broken", spec, {"main": None}, "memory://broken-engine"))
+    first = service.engine("main")
+    assert service.engine("main") is first and len(built) == 1
+    first.broken = RuntimeError("VLLMEngine is broken: ...")
+    with pytest.warns(UserWarning, match="rebuilding the rollout engine of policy 'main'"):
+        second = service.engine("main")
+    assert second is not first and first.closed and len(built) == 2
