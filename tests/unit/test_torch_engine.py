@@ -562,7 +562,7 @@ def test_hundreds_of_multi_turn_episodes_from_threads(engine, prompts):
 
 
 def test_hundreds_of_episodes_while_weights_load(model, prompts):
-    """300 episodes from 3 threads while another thread alternates two weight states every ~50 ms: no deadlock,
+    """300 episodes from 3 threads while another thread alternates two weight states every ~20 ms: no deadlock,
     every completion comes from one version, and its tokens are that version's (checked against reference engines)."""
     states = {1: {k: v.clone() for k, v in tiny_model(1).state_dict().items()},
               2: {k: v.clone() for k, v in model.state_dict().items()}}
@@ -575,7 +575,7 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
             while not stop.is_set():
                 version += 1
                 engine.load_weights(states[2 - version % 2], version)
-                time.sleep(0.05)
+                time.sleep(0.02)
 
         async def episode(i: int) -> None:
             ids = list(prompts[i % 4])
@@ -602,11 +602,11 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
         assert not any(t.is_alive() for t in threads) and not load_thread.is_alive(), "episodes or loads deadlocked"
         assert engine.version >= 3, "the loader never got between batches"
     assert len(served) == 600
-    versions = {c.versions[0] for _, c in served}
-    assert len(versions) >= 3 and all(len(set(c.versions)) == 1 for _, c in served)
+    assert all(len(set(c.versions)) == 1 for _, c in served)
     by_state: dict[int, list[tuple[GenerationRequest, object]]] = {0: [], 1: []}
     for r, c in served:
         by_state[c.versions[0] % 2].append((r, c))  # odd versions: model 1's weights; even ones: the start model's
+    assert by_state[0] and by_state[1], "the episodes did not see both weight states"
     with TorchEngine.from_model(tiny_model(1)) as odd, TorchEngine.from_model(copy.deepcopy(model)) as even:
         for parity, ref in ((1, odd), (0, even)):
             sample = by_state[parity][:40]
