@@ -283,6 +283,13 @@ class VLLMEngine:
         try:
             while self._serve_once():
                 pass
+        except BaseException as e:  # the serving thread cannot go on: refuse new work instead of hanging it
+            with self._cond:
+                if self._broken is None:
+                    self._broken = RuntimeError(f"VLLMEngine is broken: its serving thread failed "
+                                                f"({type(e).__name__}: {e}); close it and build a new one")
+                    self._broken.__cause__ = e
+            raise
         finally:
             self._shutdown()
 
@@ -387,6 +394,9 @@ class VLLMEngine:
         except ValueError as e:  # nothing was written: the engine stays as it was
             self._stats["errors"] += 1
             _settle(load.future, error=e)
+            return
+        except BaseException as e:  # noqa: BLE001 - failed while writing the host copy: neither version any more
+            self._break(load, e)
             return
         try:
             counts = self._engine.apply_model(lambda model: _load_into(model, tensors, self._cpu))

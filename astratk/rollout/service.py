@@ -125,12 +125,15 @@ class RolloutService:
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
         self._engines_lock = threading.Lock()
 
-    def engine(self, policy_id: str, purpose: str = "rollout") -> Engine:
+    def engine(self, policy_id: str, purpose: str = "rollout", *, rebuild_broken: bool = False) -> Engine:
+        """The engine of `policy_id` for `purpose`, built on first use. An engine whose weight load failed half-way
+        (VLLMEngine's `broken`) is replaced only by `sync` (`rebuild_broken`), which then loads the newest weights
+        into the new one: anywhere else it is handed out as is, and its calls fail naming the cause."""
         with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
             key = (purpose, policy_id)
             broken = getattr(self._engines.get(key), "broken", None)
-            if broken is not None:  # a weight load failed half-way (VLLMEngine): rebuild at version 0; sync catches up
-                warnings.warn(f"rebuilding the {purpose} engine of policy {policy_id!r}: {broken}", stacklevel=2)
+            if broken is not None and rebuild_broken:
+                warnings.warn(f"rebuilding the {purpose} engine of policy {policy_id!r}: {broken}", stacklevel=3)
                 with contextlib.suppress(Exception):
                     self._engines.pop(key).close()
             if key not in self._engines:
@@ -146,8 +149,8 @@ class RolloutService:
         full state. An engine never moves back on its own: only an explicit `version` (evaluation) loads an older
         one, in full. A delta the engine refuses (a bf16 delta for an fp32 engine, a VLLMEngine without host
         weights) is replaced by the full state, with a warning naming the fix."""
-        engine = self.engine(policy_id, purpose)
         with self._lock:
+            engine = self.engine(policy_id, purpose, rebuild_broken=True)
             if version is not None and version == engine.version:
                 return version
             try:

@@ -103,6 +103,8 @@ def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
     first = service.engine("main")
     assert service.engine("main") is first and len(built) == 1
     first.broken = RuntimeError("VLLMEngine is broken: ...")
+    assert service.engine("main") is first  # handed out as is outside sync: its calls fail naming the cause
     with pytest.warns(UserWarning, match="rebuilding the rollout engine of policy 'main'"):
-        second = service.engine("main")
+        assert service.sync("main") == 0  # nothing published: the new engine stays at version 0
+    second = service.engine("main")
     assert second is not first and first.closed and len(built) == 2

@@ -435,11 +435,20 @@ def test_prefix_cache_is_reset_by_a_weight_load(dirs, models, tok):
         assert lp_gap(after, run(fresh, requests)) < LP_TOL
 
 
-def test_a_load_that_cannot_reset_the_prefix_cache_breaks_the_engine(dirs, models, tok, monkeypatch):
+def _oom(state):
+    raise RuntimeError("CPU out of memory while copying the host weights")
+
+
+@pytest.mark.parametrize("failure,cause", [("reset", "prefix cache"), ("host copy", "out of memory")])
+def test_a_load_that_fails_half_way_breaks_the_engine(dirs, models, tok, monkeypatch, failure, cause):
     """Weights half-updated under the old version must not be served: the load, the calls queued behind it and every
-    later call fail naming the cause."""
+    later call fail naming the cause (vLLM refusing to reset its prefix cache, or an error while the host copy was
+    being written), and the engine says it is `broken` so the rollout service rebuilds it."""
     with build_engine("vllm", dirs[0], max_batch=8) as eng, ThreadPoolExecutor(1) as pool:
-        monkeypatch.setattr(eng._engine, "reset_prefix_cache", lambda *a, **k: False)
+        if failure == "reset":
+            monkeypatch.setattr(eng._engine, "reset_prefix_cache", lambda *a, **k: False)
+        else:
+            monkeypatch.setattr(eng, "_stage", _oom)
         with held_step(eng, at=3) as (reached, _):
             in_flight = eng.submit(greedy(tok, n=8)[:2])
             assert reached.wait(60), "the requests did not reach their 3rd decode step"
@@ -447,15 +456,15 @@ def test_a_load_that_cannot_reset_the_prefix_cache_breaks_the_engine(dirs, model
             wait_for(lambda: eng._loads, "the load being queued")
             queued = eng.submit(greedy(tok, n=8)[:1])
         assert all(c.versions == (0,) * 8 for c in in_flight.result(60))
-        with pytest.raises(RuntimeError, match="broken.*version 1.*prefix cache"):
+        with pytest.raises(RuntimeError, match=f"broken.*version 1.*{cause}"):
             load.result(60)
         with pytest.raises(RuntimeError, match="broken"):
             queued.result(60)
-        with pytest.raises(RuntimeError, match="broken.*prefix cache"):
+        with pytest.raises(RuntimeError, match=f"broken.*{cause}"):
             run(eng, greedy(tok, n=4)[:1])
         with pytest.raises(RuntimeError, match="broken"):
             eng.load_weights(state(models[0]), 2)
-        assert eng.version == 0 and eng.stats["errors"] == 1
+        assert eng.version == 0 and eng.stats["errors"] == 1 and cause in str(eng.broken)
 
 
 def test_versions_change_exactly_at_the_update(engine, engine_b, models, tok):
