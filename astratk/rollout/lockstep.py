@@ -115,9 +115,10 @@ async def _serve(items: list[tuple[tuple, int, Any, Sequence[Any], asyncio.Futur
         return
     at = 0
     for *_, requests, future in items:
+        n = sum(r.params.n for r in requests)  # an engine returns n completions per request (`expand_samples`)
         if not future.done():
-            future.set_result(list(completions[at:at + len(requests)]))
-        at += len(requests)
+            future.set_result(list(completions[at:at + n]))
+        at += n
 
 
 class _LockstepEngine:

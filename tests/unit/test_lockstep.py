@@ -102,3 +102,24 @@ def test_engine_errors_reach_every_caller_of_the_batch():
         return await asyncio.gather(lock.run((0,), one()), lock.run((1,), one()))
 
     assert asyncio.run(main()) == ["engine died", "engine died"]
+
+
+def test_n_samples_reach_their_own_episode():
+    """A request with `params.n = k` gets k completions back (`expand_samples`): the batch is split by samples, not
+    by requests, so the episode after it gets its own."""
+    from astratk.engines import ScriptedEngine
+
+    engine = ScriptedEngine(None, lambda prompt, params: [prompt[0] * 10 + (params.seed or 0)])
+    lock = Lockstep()
+    wrapped = lock.engine(engine)
+
+    async def episode(i: int, n: int):
+        return await wrapped.generate([GenerationRequest((i,), SamplingParams(max_tokens=1, n=n, seed=1))])
+
+    async def main():
+        keys = [("L1", 0), ("L1", 1)]
+        lock.expect(keys)
+        return await asyncio.gather(lock.run(keys[0], episode(1, 3)), lock.run(keys[1], episode(2, 1)))
+
+    first, second = asyncio.run(main())
+    assert [c.token_ids for c in first] == [(11,), (12,), (13,)] and [c.token_ids for c in second] == [(21,)]
