@@ -174,6 +174,37 @@ def probe() -> tuple[Layout | None, str]:
         return _PROBE["layout"]
 
 
+def own_memory_limit_mb() -> int | None:
+    """The memory limit of the cgroup this process runs in (a container's or a job's), in MB; None without one.
+    Read for the RAM guard when no run cgroup can be made: a pod capped below the machine's RAM is the real bound."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":  # v2: memory.max, and every ancestor's up to the root
+            names, base = ("memory.max",), "/sys/fs/cgroup"
+        elif "memory" in controllers.split(","):
+            names, base = ("memory.limit_in_bytes",), "/sys/fs/cgroup/memory"
+        else:
+            continue
+        path = rel.strip("/")
+        while True:
+            for name in names:
+                with contextlib.suppress(OSError, ValueError):
+                    with open(os.path.join(base, path, name)) as f:
+                        value = f.read().strip()
+                    if value != "max" and int(value) < 1 << 60:  # v1 says "no limit" with a huge number
+                        limits.append(int(value) >> 20)
+            if not path:
+                break
+            path = os.path.dirname(path)
+    return min(limits) if limits else None
+
+
 def _probe() -> tuple[Layout | None, str]:
     if not os.path.exists("/proc/self/cgroup"):
         return None, "no /proc/self/cgroup (not Linux)"

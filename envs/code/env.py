@@ -198,7 +198,7 @@ class CodeEnv(Env):
     def __init__(self, data: str | None = None, format: Format = "auto", heldout_data: str | None = None,
                  levels: Sequence[int] = (1, 2, 3), n_heldout: int = 128, seed: int = 1234, n_tests: int = 5,
                  test_timeout_s: float = 2.0, isolation: Isolation = "auto", memory_mb: int = 512,
-                 max_procs: int = 16, run_memory_mb: int | None = None, cgroup: bool | None = None,
+                 max_procs: int | None = None, run_memory_mb: int | None = None, cgroup: bool | None = None,
                  max_parallel: int | None = None, system_prompt: str | None = None) -> None:
         if test_timeout_s <= 0:
             raise ValueError(f"test_timeout_s must be > 0, got {test_timeout_s}")

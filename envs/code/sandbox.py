@@ -33,8 +33,9 @@ cgroup) each run gets a cgroup of its own (`cgroup.py`, a child of our own cgrou
 `run_memory_mb` (default `memory_mb`) and its processes at max_procs (+2 for bwrap's own) whatever their uid; a run
 that exceeds it is killed whole (`killed_by="memory_limit"`), and the cgroup is emptied and removed after every run.
 Where none can be made (`cgroup.probe()` says why), a guard refuses at construction, as root, any configuration whose
-max_procs x memory_mb (+ tmpfs) exceeds `RAM_SHARE` of this machine's memory, with the fix in the message: limits are
-never lowered behind the caller's back. Without root and without a cgroup nothing bounds the process count (`own_uid`
+max_procs x memory_mb (+ tmpfs) exceeds `RAM_SHARE` of this machine's memory (or of our own cgroup's memory limit, a
+container's, when lower), with the fix in the message; a max_procs left at its default (16) is lowered to fit instead,
+one given explicitly never is. Without root and without a cgroup nothing bounds the process count (`own_uid`
 and `cgroup` both False in the results), so there is nothing to check. `cgroup=False` forces the guard, `cgroup=True`
 refuses to construct without a cgroup. Results say which held the run (`SandboxResult.cgroup`).
 
@@ -73,6 +74,7 @@ _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc")
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
 _POLL_S = 0.05  # how often the reader loop checks for exit, deadline and OOM kills when no output arrives
 RAM_SHARE = 0.5  # without a cgroup, the most of this machine's memory one run's worst case may claim
+DEFAULT_MAX_PROCS = 16  # max_procs when not given; lowered (never below 1) where the RAM guard would refuse it
 _OWN_PIDS = 2  # processes of a run that are not the program's: bwrap and its pid-1 reaper (root, outside RLIMIT_NPROC)
 
 
@@ -108,12 +110,14 @@ class Sandbox:
     """
 
     def __init__(self, isolation: Isolation = "auto", cpu_s: float = 10.0, wall_s: float = 20.0, memory_mb: int = 512,
-                 max_procs: int = 16, max_file_mb: int = 16, max_output_bytes: int = 1 << 20, max_disk_mb: int = 64,
+                 max_procs: int | None = None, max_file_mb: int = 16, max_output_bytes: int = 1 << 20, max_disk_mb: int = 64,
                  python: str | None = None, uid_base: int = 1_000_000, uid_slots: int = 1024,
                  run_memory_mb: int | None = None, cgroup: bool | None = None) -> None:
         if isolation not in ("auto", "bwrap", "process"):
             raise ValueError(f"isolation must be 'auto', 'bwrap' or 'process', got {isolation!r}")
         run_memory_mb = memory_mb if run_memory_mb is None else run_memory_mb
+        self._procs_given = max_procs is not None
+        max_procs = DEFAULT_MAX_PROCS if max_procs is None else max_procs
         for name, v in (("cpu_s", cpu_s), ("wall_s", wall_s), ("memory_mb", memory_mb), ("max_procs", max_procs),
                         ("max_file_mb", max_file_mb), ("max_output_bytes", max_output_bytes),
                         ("max_disk_mb", max_disk_mb), ("uid_slots", uid_slots), ("run_memory_mb", run_memory_mb)):
@@ -153,13 +157,19 @@ class Sandbox:
         without, as root, every one of max_procs processes may fill its address-space limit, plus bwrap's two tmpfs.
         Without root and cgroup nothing bounds the process count, so there is no product to check (`own_uid`)."""
         ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20
+        limit_mb = cgroups.own_memory_limit_mb()  # a container's cap, when below the machine's RAM, is the bound
+        if limit_mb is not None and limit_mb < ram_mb:
+            ram_mb = limit_mb
         cap = int(RAM_SHARE * ram_mb)
         if self.cgroup and self.run_memory_mb > cap:
             raise ValueError(f"run_memory_mb={self.run_memory_mb} is over {RAM_SHARE:.0%} of this machine's "
                              f"{ram_mb} MB; pass run_memory_mb <= {cap}")
         tmpfs = 2 * self.max_disk_mb if self.isolation == "bwrap" else 0
+        guarded = not self.cgroup and os.geteuid() == 0
+        if guarded and not self._procs_given:  # the default adapts; a value the caller gave is never lowered
+            self.max_procs = max(1, min(self.max_procs, (cap - tmpfs) // self.memory_mb))
         worst = self.max_procs * self.memory_mb + tmpfs
-        if not self.cgroup and os.geteuid() == 0 and worst > cap:
+        if guarded and worst > cap:
             raise ValueError(
                 f"no cgroup can cap a run's total memory here ({no_cgroup}), so one run could hold max_procs x "
                 f"memory_mb = {self.max_procs} x {self.memory_mb} MB (+{tmpfs} MB tmpfs) = {worst} MB, over "
@@ -289,7 +299,9 @@ class Sandbox:
                              stderr=err[0].decode("utf-8", "replace"), stdout_truncated=out[1],
                              stderr_truncated=err[1], timed_out=killed_by == "wall_timeout", killed_by=killed_by,
                              isolation=isolation, own_uid=uid is not None, wall_s=time.perf_counter() - start,
-                             cgroup=cg is not None, own_network=self.own_network)
+                             # a program running as our own uid outside bwrap could write itself out of the cgroup
+                             cgroup=cg is not None and (isolation == "bwrap" or uid is not None),
+                             own_network=self.own_network)
 
     def _collect(self, proc: subprocess.Popen, deadline: float, sweep_uid: int | None, cg: cgroups.RunCgroup | None
                  ) -> tuple[tuple[bytes, bool], tuple[bytes, bool], str | None]:
@@ -320,7 +332,7 @@ class Sandbox:
                     deadline = now + 5.0  # the pipes close once the killed processes are gone
                 elif now >= deadline:
                     break  # killed and still not closed: give up on the pipes rather than hang
-                if exited_at is None and proc.poll() is not None:
+                if exited_at is None and _exited(proc):
                     exited_at = now
                 elif exited_at is not None and now - exited_at > 0.2 and (sweep_uid is not None or cg is not None):
                     _kill(proc, sweep_uid, cg)  # the program exited but a descendant keeps the pipes open
@@ -470,6 +482,17 @@ def _memfd(name: str, content: str | bytes, readonly: bool = False) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether the program exited, *without* reaping it: until `wait` reaps it, its pid (its process group's id)
+    cannot be reused, so `_kill`'s killpg never reaches an unrelated group that took the number."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _kill(proc: subprocess.Popen, uid: int | None, cg: cgroups.RunCgroup | None) -> None:

@@ -186,9 +186,8 @@ def test_forking_memory_bomb_scores_zero_because_of_the_run_cap(env):
     rewards = []
     for run_memory_mb in (None, 1536):
         capped = CodeEnv(levels=(1, 2, 3), n_heldout=6, seed=3, test_timeout_s=5.0, isolation=env.sandbox.isolation,
-                         memory_mb=256, max_procs=16)
+                         memory_mb=256, max_procs=16, run_memory_mb=run_memory_mb)
         capped.sandbox.uid_base, capped.sandbox.uid_slots = UID_BASE, UID_SLOTS
-        capped.sandbox.run_memory_mb = run_memory_mb or capped.sandbox.run_memory_mb  # CodeEnv does not expose it
         [score] = capped.score_details(task, [code])
         assert score.metrics["code/infra_error"] == 0.0
         rewards.append(score.reward)

@@ -10,6 +10,7 @@ when bubblewrap cannot create namespaces, `ASTRATK_REQUIRE_CGROUP=1` when no per
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -366,17 +367,21 @@ def test_memory_bomb_that_forks_first_is_capped_for_the_whole_run(mode):
 
 
 def observe(sb: Sandbox, code: str) -> tuple[SandboxResult, dict[str, str]]:
-    """Run `code` in a thread and read the limits of the run's cgroup(s) while it runs."""
+    """Run `code` in a thread and read the limits of the run's cgroup(s) while it runs: the last reading that found
+    both hierarchies' files (v1 makes the memory and the pids directory one after the other, and writes each limit
+    after its mkdir, so an early reading can see one directory, or a default value)."""
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(sb.run, code)
         limits: dict[str, str] = {}
         end = time.perf_counter() + 5
-        while not limits and time.perf_counter() < end and not fut.done():
+        while time.perf_counter() < end and not fut.done():
+            reading: dict[str, str] = {}
             for d in sandbox_cgroups():
                 for f in ("memory.max", "memory.limit_in_bytes", "pids.max"):
-                    if os.path.exists(os.path.join(d, f)):
-                        with open(os.path.join(d, f)) as fh:
-                            limits[f] = fh.read().strip()
+                    with contextlib.suppress(OSError), open(os.path.join(d, f)) as fh:
+                        reading[f] = fh.read().strip()
+            if "pids.max" in reading and ("memory.max" in reading or "memory.limit_in_bytes" in reading):
+                limits = reading
             time.sleep(0.01)
         return fut.result(), limits
 
@@ -410,6 +415,46 @@ def test_without_a_cgroup_a_ram_guard_refuses_what_could_exhaust_the_machine(mon
     assert (r.stdout, r.cgroup, fits.cgroup) == ("ok\n", False, False)  # the guard, not a cgroup, bounded it
     with pytest.raises(ValueError, match="run_memory_mb"):
         Sandbox(isolation="process", run_memory_mb=0)
+
+
+def test_without_a_cgroup_the_default_process_count_fits_a_container_memory_limit(monkeypatch):
+    """In a container capped at 4 GB (our own cgroup's limit, below the machine's RAM) without a writable cgroup, the
+    default max_procs is lowered to fit half of it; an explicit one over it is refused, not lowered."""
+    if not ROOT:
+        pytest.skip("the guard applies as root only (without root no uid of its own bounds the process count)")
+    monkeypatch.setitem(cgroups._PROBE, "layout", (None, "simulated: no writable cgroup"))
+    monkeypatch.setattr(cgroups, "own_memory_limit_mb", lambda: 4096)
+    default = Sandbox(isolation="process", memory_mb=512)
+    assert default.max_procs == 4  # 2048 MB / 512 MB
+    assert Sandbox(isolation="process", memory_mb=128).max_procs == 16  # the default fits: kept
+    with pytest.raises(ValueError, match=r"4096 MB; lower them .* max_procs=4"):
+        Sandbox(isolation="process", memory_mb=512, max_procs=8)
+
+
+def test_own_memory_limit_is_read_from_our_cgroup_and_its_ancestors(tmp_path, monkeypatch):
+    import builtins
+
+    real_open = builtins.open
+    files = {"/proc/self/cgroup": "4:memory:/pod/ctr\n8:pids:/\n",
+             "/sys/fs/cgroup/memory/pod/ctr/memory.limit_in_bytes": str(2**63 - 4096),  # v1's "no limit"
+             "/sys/fs/cgroup/memory/pod/memory.limit_in_bytes": str(6 << 30),
+             "/sys/fs/cgroup/memory/memory.limit_in_bytes": str(2**63 - 4096)}
+
+    def fake_open(path, *args, **kwargs):
+        if str(path) in files:
+            import io
+            return io.StringIO(files[str(path)])
+        if str(path).startswith(("/proc/self/cgroup", "/sys/fs/cgroup")):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert cgroups.own_memory_limit_mb() == 6 << 10
+    files["/proc/self/cgroup"] = "0::/user.slice\n"
+    files["/sys/fs/cgroup/user.slice/memory.max"] = "max"
+    assert cgroups.own_memory_limit_mb() is None
+    files["/sys/fs/cgroup/memory.max"] = str(3 << 30)
+    assert cgroups.own_memory_limit_mb() == 3 << 10
 
 
 def test_cgroup_layout_is_read_from_proc(tmp_path):
