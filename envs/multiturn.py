@@ -152,8 +152,14 @@ class ChatTurns:
         for m in messages:
             self._frame(m["role"])  # each role must render as a plain continuation (raises the clear error)
         head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
-        full = self.tokenizer.apply_chat_template(head + [dict(m) for m in messages], tokenize=False,
-                                                  add_generation_prompt=True)
+        try:
+            full = self.tokenizer.apply_chat_template(head + [dict(m) for m in messages], tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # e.g. templates that insist on alternating roles raise jinja2's TemplateError
+            roles = [m["role"] for m in messages]
+            raise ValueError(f"the chat template cannot render the messages {roles} in a row after an assistant turn "
+                             f"({type(e).__name__}: {e}); send the env's output as one message per turn, or use a "
+                             "template that accepts consecutive messages") from e
         if not full.startswith(self._base):
             raise ValueError("the chat template does not render several messages after an assistant turn as a plain "
                              "continuation; multi-turn envs need a template with fixed turn separators")
@@ -260,20 +266,23 @@ class Conversation:
         before the next assistant turn replaces the tokens of this run with the template's rendering of all of them."""
         close = self._last_close
         before = len(self.tokens)
+        # everything that may fail (the template) first: a refused message leaves the conversation as it was
+        ids = self._encode(self.turns_api.continuation(role, content, close))
+        frame_only = self.turns_api.frame_tokens(role, close, self._encode)
+        truncated = len(ids) - len(frame_only) > self.budget.max_env_tokens
+        if truncated:
+            content_ids = self._encode(content)[: self.budget.max_env_tokens]
+            content = self.tokenizer.decode(content_ids, skip_special_tokens=False) + " ...[truncated]"
+            ids = self._encode(self.turns_api.continuation(role, content, close))
+        pending = [*self._pending, {"role": role, "content": content}]
+        if len(pending) > 1:
+            ids = self._encode(self.turns_api.continuation_of(pending, close))
         if self._pending:
             self._retract()
         else:
             self._tail = before
-        ids = self._encode(self.turns_api.continuation(role, content, close))
-        frame_only = self.turns_api.frame_tokens(role, close, self._encode)
-        if len(ids) - len(frame_only) > self.budget.max_env_tokens:
-            content_ids = self._encode(content)[: self.budget.max_env_tokens]
-            content = self.tokenizer.decode(content_ids, skip_special_tokens=False) + " ...[truncated]"
-            ids = self._encode(self.turns_api.continuation(role, content, close))
-            self.metrics["env_truncations"] += 1
-        self._pending.append({"role": role, "content": content})
-        if len(self._pending) > 1:
-            ids = self._encode(self.turns_api.continuation_of(self._pending, close))
+        self._pending = pending
+        self.metrics["env_truncations"] += float(truncated)
         if len(ids) >= self.room:  # the next turn would have no room at all
             ids = ids[: max(0, self.room)]
             self.metrics["context_exhausted"] = 1.0

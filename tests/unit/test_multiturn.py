@@ -154,3 +154,28 @@ def test_template_without_fixed_separators_raises_a_clear_error():
                                          "continuation.*fixed turn separators"):
         conv.add_message("user", "more")
 
+
+
+# Mistral-style: roles must alternate user/assistant, or the template raises.
+CHAT_TEMPLATE_ALTERNATING = (
+    "{% for message in messages %}"
+    "{% if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_template_refusing_consecutive_messages_raises_a_clear_error():
+    tok = build_char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE_ALTERNATING
+    engine = ScriptedEngine(tok, [said("hi")])
+    conv = Conversation.start(tok, [{"role": "user", "content": "q"}], Budget(max_turns=2))
+    run(conv.assistant_turn(engine, SamplingParams(max_tokens=9)))
+    conv.add_message("user", "one")  # alone it alternates
+    state = (list(conv.tokens), list(conv.loss_mask), dict(conv.metrics))
+    with pytest.raises(ValueError, match=r"cannot render the messages \['user', 'user'\] in a row.*roles must "
+                                         "alternate.*one message per turn"):
+        conv.add_message("user", "two")
+    assert (conv.tokens, conv.loss_mask, conv.metrics) == state  # the refused message changed nothing
+    assert tok.decode(conv.tokens).endswith("<|im_start|>user\none<|im_end|>\n<|im_start|>assistant\n")
