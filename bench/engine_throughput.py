@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import glob
+import shutil
 import statistics
 import tempfile
 import time
@@ -75,7 +77,9 @@ def model_path(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
     if args.random_model:
-        folder, n = random_model(args.random_model, args.dtype, tempfile.mkdtemp(prefix="astratk-bench-"))
+        folder = tempfile.mkdtemp(prefix="astratk-bench-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # ~1 GB for the 0.5b model
+        folder, n = random_model(args.random_model, args.dtype, folder)
         print(f"random Qwen2 model {args.random_model!r}: {n / 1e9:.3f} B parameters, {args.dtype}, {folder}")
         return folder
     from astratk.config import load_spec
