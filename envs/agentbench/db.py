@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
+from astratk.envs import jsonl
 from astratk.envs.agentbench.sql import build_database, materialise, run_query, schema_text
 from astratk.envs.multiturn import Budget, Conversation, parse_tags, parse_tool_call
 from astratk.records import Task, Trajectory
@@ -261,28 +262,18 @@ def load_tasks_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"tasks file {path} does not exist")
-    records = []
-    with path.open("rb") as f:  # decoded line by line, so a bad byte is reported on its own line
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                records.append(_user_task(json.loads(line), path, lineno, cache_dir))
-            except (ValueError, TypeError, KeyError, sqlite3.Error) as e:
-                detail = f"invalid JSON ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else e
-                raise ValueError(f"{path}:{lineno}: {detail}") from e
-    if not records:
+    tasks = []
+    for lineno, obj in jsonl.records(path):
+        try:
+            tasks.append(_user_task(obj, path, lineno, cache_dir))
+        except (ValueError, TypeError, KeyError, sqlite3.Error) as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
+    if not tasks:
         raise ValueError(f"tasks file {path} holds no tasks")
-    return records
+    return tasks
 
 
-def _user_task(obj: Any, path: Path, lineno: int, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")  # noqa: TRY004 - malformed data
+def _user_task(obj: dict[str, Any], path: Path, lineno: int, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
     if not isinstance(obj.get("question"), str) or not obj["question"].strip():
         raise ValueError('missing "question" (a non-empty string)')
     answer = obj.get("answer")

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from astratk.envs.code.tasks import CodeProblem, Test
+from astratk.envs.jsonl import records
 
 Format = Literal["auto", "humaneval", "mbpp", "livecodebench"]
 
@@ -43,32 +44,17 @@ def load_problems(path: str | os.PathLike[str], format: Format = "auto") -> list
     path = os.fspath(path)
     problems: list[CodeProblem] = []
     seen: dict[str, int] = {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                # a malformed file, whatever the defect, is a ValueError: callers catch one type
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004
-            fmt = _detect(row, where) if format == "auto" else format
-            try:
-                problem = _PARSERS[fmt](row, lineno)
-            except (_Bad, SyntaxError) as e:
-                raise ValueError(f"{where}: {fmt} problem: {e}") from None
-            if problem.problem_id in seen:
-                raise ValueError(f"{where}: duplicate id {problem.problem_id!r} (first on line "
-                                 f"{seen[problem.problem_id]})")
-            seen[problem.problem_id] = lineno
-            problems.append(problem)
+    for lineno, row in records(path):
+        where = f"{path}:{lineno}"
+        fmt = _detect(row, where) if format == "auto" else format
+        try:
+            problem = _PARSERS[fmt](row, lineno)
+        except (_Bad, SyntaxError) as e:
+            raise ValueError(f"{where}: {fmt} problem: {e}") from None
+        if problem.problem_id in seen:
+            raise ValueError(f"{where}: duplicate id {problem.problem_id!r} (first on line {seen[problem.problem_id]})")
+        seen[problem.problem_id] = lineno
+        problems.append(problem)
     if not problems:
         raise ValueError(f"{path}: no problems (the file is empty)")
     return problems

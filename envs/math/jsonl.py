@@ -26,15 +26,13 @@ Example:
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
+from astratk.envs.jsonl import records
 from astratk.envs.math.grading import MathGrader, last_boxed
 from astratk.envs.math.word import SingleTurnMathEnv
 from astratk.records import Task
@@ -101,31 +99,17 @@ def load_math_jsonl(path: str, format: str = "auto") -> list[MathExample]:
         raise ValueError(f"unknown format {format!r}; choose 'auto' or one of {sorted(FORMATS)}")
     fmt = None if format == "auto" else format
     rows: list[MathExample] = []
-    with fsspec.open(path, "rb") as f:  # bytes, decoded per line: a text reader would blame the wrong line
-        for line, data in enumerate(f, start=1):
-            where = f"{path}:{line}"
-            try:
-                raw = data.decode("utf-8-sig" if line == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: bad JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004
+    for line, row in records(path):
+        where = f"{path}:{line}"
+        if fmt is None:
+            fmt = _detect(row)
             if fmt is None:
-                fmt = _detect(row)
-                if fmt is None:
-                    raise ValueError(f"{where}: cannot tell the format from keys {sorted(row)}; expected "
-                                     + ", ".join(f"{n} {list(k)}" for n, k in FORMATS.items())
-                                     + " (or pass format=...)")
-            try:
-                rows.append(_example(row, fmt, line))
-            except ValueError as e:
-                raise ValueError(f"{where}: {e} (format {fmt!r})") from None
+                raise ValueError(f"{where}: cannot tell the format from keys {sorted(row)}; expected "
+                                 + ", ".join(f"{n} {list(k)}" for n, k in FORMATS.items()) + " (or pass format=...)")
+        try:
+            rows.append(_example(row, fmt, line))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e} (format {fmt!r})") from None
     if not rows:
         raise ValueError(f"{path}: no rows (the file is empty); expected one JSON object per line")
     return rows

@@ -15,39 +15,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
+from astratk.envs.jsonl import records
 from astratk.envs.search.corpus import Corpus, Passage, Question
-
-
-def _records(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line number, object) for every non-blank line; malformed lines raise naming file and line.
-
-    Read as bytes and decoded line by line: a text-mode reader decodes ahead in blocks, so a bad byte would be
-    reported on the wrong line."""
-    with fsspec.open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(  # noqa: TRY004 - a malformed file is a ValueError naming file and line
-                    f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
 
 
 def _text(obj: dict[str, Any], key: str, where: str, *, required: bool = True) -> str:
@@ -72,7 +46,7 @@ def load_passages(path: str) -> list[Passage]:
     """Passages from a JSONL file (module docstring); duplicate ids and an empty file raise."""
     out: list[Passage] = []
     seen: dict[str, int] = {}
-    for lineno, obj in _records(path):
+    for lineno, obj in records(path):
         where = f"{path}:{lineno}"
         if "id" not in obj:
             raise ValueError(f"{where}: missing 'id' (each line needs {{\"id\", \"text\"}} or "
@@ -91,7 +65,7 @@ def load_qa(path: str) -> list[Question]:
     """Questions from a JSONL file (module docstring); an empty file raises."""
     out: list[Question] = []
     seen: dict[str, int] = {}
-    for lineno, obj in _records(path):
+    for lineno, obj in records(path):
         where = f"{path}:{lineno}"
         question = _text(obj, "question", where).strip()
         if ("answer" in obj) == ("answers" in obj):

@@ -296,7 +296,7 @@ def test_file_problems_score_in_the_sandbox(tmp_path):
 
 
 @pytest.mark.parametrize(("content", "line", "match"), [
-    ("\n\n{not json\n", 3, "not valid JSON"),
+    ("\n\n{not json\n", 3, "invalid JSON"),
     (json.dumps(MBPP[0]).encode() + b"\n\xff\xfe\n", 2, "not UTF-8"),
     (json.dumps(HUMANEVAL[0]) + "\n[1, 2]\n", 2, "expected a JSON object"),
     (json.dumps({"prompt": "x", "test": "y"}) + "\n", 1, "cannot tell the format"),

@@ -306,7 +306,7 @@ def test_load_formats_auto_detected(tmp_path):
 
 
 @pytest.mark.parametrize("raw,fmt,message", [
-    ('{"question": "q", "answer": "#### 1"}\n{"question": "q2", "answer": "#### 2"\n', "auto", r":2: bad JSON"),
+    ('{"question": "q", "answer": "#### 1"}\n{"question": "q2", "answer": "#### 2"\n', "auto", r":2: invalid JSON"),
     ('{"question": "q", "answer": "#### 1"}\n[1, 2]\n', "auto", r":2: expected a JSON object, got list"),
     ('{"question": "q", "answer": "#### 1"}\n{"question": "q2"}\n', "auto", r":2: missing key 'answer'"),
     ('{"question": "q", "answer": "#### 1"}\n\n{"question": "q3", "answer": "3"}\n', "auto",
