@@ -144,16 +144,20 @@ CHAT_TEMPLATE_LAST_EOS = (
 )
 
 
-def test_template_without_fixed_separators_raises_a_clear_error():
+def after_one_turn(template: str):
+    """(tokenizer with `template`, conversation after one assistant turn)."""
     tok = build_char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE_LAST_EOS
-    engine = ScriptedEngine(tok, [said("hi")])
+    tok.chat_template = template
     conv = Conversation.start(tok, [{"role": "user", "content": "q"}], Budget(max_turns=2))
-    run(conv.assistant_turn(engine, SamplingParams(max_tokens=9)))
+    run(conv.assistant_turn(ScriptedEngine(tok, [said("hi")]), SamplingParams(max_tokens=9)))
+    return tok, conv
+
+
+def test_template_without_fixed_separators_raises_a_clear_error():
+    _, conv = after_one_turn(CHAT_TEMPLATE_LAST_EOS)
     with pytest.raises(ValueError, match="does not render a 'user' message after an assistant turn as a plain "
                                          "continuation.*fixed turn separators"):
         conv.add_message("user", "more")
-
 
 
 # Mistral-style: roles must alternate user/assistant, or the template raises.
@@ -167,11 +171,7 @@ CHAT_TEMPLATE_ALTERNATING = (
 
 
 def test_template_refusing_consecutive_messages_raises_a_clear_error():
-    tok = build_char_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE_ALTERNATING
-    engine = ScriptedEngine(tok, [said("hi")])
-    conv = Conversation.start(tok, [{"role": "user", "content": "q"}], Budget(max_turns=2))
-    run(conv.assistant_turn(engine, SamplingParams(max_tokens=9)))
+    tok, conv = after_one_turn(CHAT_TEMPLATE_ALTERNATING)
     conv.add_message("user", "one")  # alone it alternates
     state = (list(conv.tokens), list(conv.loss_mask), dict(conv.metrics))
     with pytest.raises(ValueError, match=r"cannot render the messages \['user', 'user'\] in a row.*roles must "
