@@ -5,8 +5,8 @@ to each of them as well as to the run's metrics dataset (`astratk.metrics`).
 |---|---|---|
 | `csv` (default) | `root/version_N/metrics.csv` and `hparams.yaml` | — |
 | `tensorboard` | `root/tensorboard/version_N/events.out.tfevents.*` | `tensorboard` (a dependency) |
-| `wandb` | `root/wandb/`, project `$WANDB_PROJECT` or "astratk" | `pip install wandb` |
-| `mlflow` | `$MLFLOW_TRACKING_URI`, else `root/mlflow.db` + `root/mlartifacts/` | `pip install mlflow` |
+| `wandb` | `root/wandb/`, project `$WANDB_PROJECT` or "astratk" | `pip install wandb` (or the `loggers` extra) |
+| `mlflow` | `$MLFLOW_TRACKING_URI`, else `root/mlflow.db` + `root/mlartifacts/` | `pip install mlflow` (or the `loggers` extra) |
 
 W&B and MLflow name the run after the run directory; MLflow's experiment is `$MLFLOW_EXPERIMENT_NAME` or "astratk".
 View them with `tensorboard --logdir root/tensorboard` and `mlflow ui --backend-store-uri sqlite:///root/mlflow.db`.

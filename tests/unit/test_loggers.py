@@ -117,8 +117,8 @@ def test_run_spec_validates_loggers_and_yaml_sets_them(tmp_path):
 
 
 def test_wandb_offline_and_mlflow_local_store_when_installed(model_path, tmp_path, monkeypatch):
-    """Optional packages (not installed by the project): W&B logs offline into the run directory, MLflow into a
-    SQLite store there; both see the trainer's metrics."""
+    """The `loggers` extra (.ci/run installs it): W&B logs offline into the run directory, MLflow into a SQLite store
+    there; both see the trainer's metrics."""
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")
