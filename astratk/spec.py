@@ -164,6 +164,11 @@ class DataflowSpec:
     snapshot: SnapshotSpec = field(default_factory=SnapshotSpec)
 
 
+# The resource label of workers that run score tasks (graders, code sandboxes): rollout workers by default, or
+# score-only ones (docs/cluster.md).
+SCORE_LABEL = "score"
+
+
 @dataclass
 class WorkerClass:
     """One class of workers in a local pool (`astratk.runtime.pools`): `count` workers named `{name}-{i}`.
@@ -432,7 +437,7 @@ def _validate_cluster(c: ClusterSpec, policies: list[str]) -> None:
         if wc.resources is not None and "control" in wc.resources:
             raise ValueError(f"{key}.resources: 'control' marks the data layer's worker; remove it")
     if c.pools and c.scheduler_address is None:
-        labels = [f"rollout_{p}" for p in policies] + ["score"]
+        labels = [f"rollout_{p}" for p in policies] + [SCORE_LABEL]
         missing = [r for r in labels if not any(wc.count > 0 and (wc.resources is None or wc.resources.get(r, 0) > 0)
                                                 for wc in c.pools)]
         if missing:

@@ -26,11 +26,10 @@ from astratk.dataflow.handle import DataLayerHandle
 from astratk.rollout.service import RunContext
 from astratk.rollout.tasks import admit_task, rollout_task, score_task
 from astratk.runtime.cluster import count_workers
+from astratk.spec import SCORE_LABEL
 
 log = logging.getLogger(__name__)
-# Scoring (graders, code sandboxes) runs on workers labelled `score`: rollout workers by default
-# (`astratk.runtime.pools.rollout_labels`); a pool class with `resources: {score: 1}` alone makes sandbox-only workers.
-SCORE_RESOURCES = {"score": 1}
+SCORE_RESOURCES = {SCORE_LABEL: 1}  # what a score task asks for (astratk.spec.SCORE_LABEL)
 
 
 class Acquisition:

@@ -18,6 +18,7 @@ from astratk.rollout.acquisition import Acquisition
 from astratk.rollout.service import RunContext
 from astratk.runtime import registry
 from astratk.runtime.cluster import wait_for_workers
+from astratk.spec import SCORE_LABEL
 from astratk.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
     wait_for_workers(client, ["control"], 1, timeout_s)
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
     wait_for_workers(client, need, 1, timeout_s)
-    wait_for_workers(client, ["score"], 1, timeout_s)  # the same workers, or sandbox-only ones (docs/cluster.md)
+    wait_for_workers(client, [SCORE_LABEL], 1, timeout_s)  # the same workers, or score-only ones (docs/cluster.md)
     store = WeightStore.from_spec(ctx.store_url, spec.weights)
 
     def start(restore_from: tuple[str, str | None] | None) -> Any:

@@ -34,7 +34,7 @@ from distributed import Nanny, Scheduler, SpecCluster, Worker, WorkerPlugin, get
 from distributed.core import Status
 from distributed.utils import NoOpAwaitable
 
-from astratk.spec import WorkerClass
+from astratk.spec import SCORE_LABEL, WorkerClass
 
 if TYPE_CHECKING:
     from astratk.spec import RunSpec
@@ -80,7 +80,7 @@ def worker_hardware(worker_name: str | None = None) -> tuple[str, float]:
 
 def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
     """The labels a worker needs to serve every policy's rollouts and score them."""
-    return {f"rollout_{p}": 1 for p in policies} | {"score": 1}
+    return {f"rollout_{p}": 1 for p in policies} | {SCORE_LABEL: 1}
 
 
 def pool_classes(spec: RunSpec) -> list[WorkerClass]:
