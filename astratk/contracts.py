@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-import torch
-
 from astratk.records import Task, Trajectory
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the contracts (and the spec that names them) load without torch
+    import torch
+
     from astratk.weights.delta import SparseDelta
 
 # --------------------------------------------------------------------------------------------------------- engines
@@ -176,6 +176,8 @@ class LossInputs:
     topk_ids: torch.Tensor | None = None  # [B, T, K] int64, the engine's top-K token ids at each position
     topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] log mu of those ids (sampling temperature)
     topk_logprobs: torch.Tensor | None = None  # [B, T, K] log pi of those ids (requires grad)
+    sampled_ids: torch.Tensor | None = None  # [B, T] int64, the sampled token at each position (input_ids[:, 1:]),
+    #   filled with the top-K fields: a Top-K divergence matches it against topk_ids by id
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sum over data-parallel ranks (all-reduce) for
     #   batch-wide statistics; None = single process (identity)
 

@@ -63,7 +63,8 @@ def make_inputs(b: int, t: int, k: int = 20, seed: int = 0):
     top_pi = (top_mu + 0.05 * torch.randn(b, t, k, generator=g)).requires_grad_(True)
     return LossInputs(logprobs=logp, behavior_logprobs=mu, advantages=adv, loss_mask=mask,
                       proximal_logprobs=mu + 0.01, topk_ids=torch.zeros(b, t, k, dtype=torch.long),
-                      topk_behavior_logprobs=top_mu, topk_logprobs=top_pi)
+                      topk_behavior_logprobs=top_mu, topk_logprobs=top_pi,
+                      sampled_ids=torch.ones(b, t, dtype=torch.long))  # a sampled token outside the top-K
 
 
 def run_loss(loss, inputs) -> None:

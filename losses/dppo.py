@@ -21,11 +21,12 @@ Notes:
 - The scalar value of l_t is NOT the surrogate's value (-A r M); only the gradients agree (where r <= C). Compare
   gradients, not losses, across implementations.
 - Masked tokens keep their place in the returned mask (the aggregation denominator); only their gradient is 0.
-- Top-K: LossInputs has no sampled-token id, so the sampled token is matched to the top-K entry whose log mu is
-  within SAMPLED_MATCH_TOL of its own (the nearest one), and that entry is dropped to avoid counting it twice. Exact
-  float equality is not enough: engines compute the two log-probs by different kernels (~1e-6 apart). A false match
-  (a near-tie) only merges that entry into the rest cell, which is still a partition, hence still a lower bound.
-  Missing top-K entries must be padded with log mu = -inf (zero mass). topk_logprobs are used without gradient.
+- Top-K: the sampled token (LossInputs.sampled_ids) is matched to the top-K entries by token id (topk_ids). A
+  top-K entry with the sampled id is dropped, since the sampled cell already holds that token (with the sampled
+  token's own log mu and log pi); a sampled token outside the top-K is one extra cell. Ids, not log-probs: two top-K
+  entries often have equal log mu (bf16 logits tie), and matching the nearest log mu would then drop the other
+  entry and count the sampled token twice, shrinking (even negating, for KL) the divergence. Missing top-K entries
+  must be padded with log mu = -inf (zero mass; their ids do not matter). topk_logprobs are used without gradient.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ ANCHORS = ("behavior", "recompute")
 MAX_TOP_K = 20  # what inference engines return (vLLM's default max_logprobs); the paper's K
 REST_FLOOR = 1e-12  # clamp on the "rest" cell's mass (ALGORITHMS §2)
 BINARY_KL_EPS = 1e-8  # inside the (1 - p) logs of Binary-KL
-SAMPLED_MATCH_TOL = 1e-4  # |log mu_sampled - log mu_topk| at which the sampled token counts as that top-K entry
 
 
 def binary_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, pi: torch.Tensor | None = None,
@@ -61,12 +61,11 @@ def binary_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, pi: to
 
 
 def topk_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, topk_logp: torch.Tensor,
-                    topk_logmu: torch.Tensor) -> torch.Tensor:
-    """Top-K TV or KL on {top-K of mu, sampled, rest}. [B, T], [B, T], [B, T, K], [B, T, K] -> [B, T], detached."""
+                    topk_logmu: torch.Tensor, topk_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """Top-K TV or KL on {top-K of mu, sampled, rest}. [B, T], [B, T], [B, T, K], [B, T, K], [B, T, K] int,
+    [B, T] int -> [B, T], detached. The top-K entry whose id is the sampled one is dropped (module docstring)."""
     logp, logmu, topk_logp, topk_logmu = (x.detach() for x in (logp, logmu, topk_logp, topk_logmu))
-    gap = (topk_logmu - logmu.unsqueeze(-1)).abs().nan_to_num(float("inf"))  # [B, T, K]
-    nearest = gap.min(-1, keepdim=True)  # [B, T, 1] values and indices
-    dup = torch.zeros_like(gap, dtype=torch.bool).scatter_(-1, nearest.indices, nearest.values <= SAMPLED_MATCH_TOL)
+    dup = topk_ids == sampled_ids.unsqueeze(-1)  # [B, T, K] the sampled token's own top-K entry, if any
 
     def cells(top: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:  # -> [B, T, K + 2] probabilities
         p = torch.cat([top.exp().masked_fill(dup, 0.0), sampled.exp().unsqueeze(-1)], dim=-1)  # [B, T, K + 1]
@@ -142,17 +141,25 @@ class DPPO(PolicyLoss):
                              "when loss.needs_proximal is True); or use anchor='behavior'")
         return inputs.proximal_logprobs
 
-    def _topk(self, inputs: LossInputs, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-K log pi and log mu, [B, T, K] each, with -inf (zero mass) off the valid tokens."""
-        lp, lmu = inputs.topk_logprobs, inputs.topk_behavior_logprobs
-        if lp is None or lmu is None:
-            raise ValueError(f"DPPO(divergence={self.divergence!r}) needs LossInputs.topk_behavior_logprobs and "
-                             "topk_logprobs [B, T, K] (the trainer fills them when loss.needs_topk > 0)")
-        if lp.shape != lmu.shape or lp.dim() != 3 or lp.shape[:2] != valid.shape:
-            raise ValueError(f"top-K log-probs must both be [B, T, K] with [B, T] = {list(valid.shape)}; got "
-                             f"topk_logprobs {list(lp.shape)}, topk_behavior_logprobs {list(lmu.shape)}")
+    def _topk(self, inputs: LossInputs, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Top-K log pi and log mu, [B, T, K] each, with -inf (zero mass) off the valid tokens; top-K ids [B, T, K]
+        and sampled ids [B, T]."""
+        lp, lmu, ids, sampled = (inputs.topk_logprobs, inputs.topk_behavior_logprobs, inputs.topk_ids,
+                                 inputs.sampled_ids)
+        if lp is None or lmu is None or ids is None or sampled is None:
+            raise ValueError(f"DPPO(divergence={self.divergence!r}) needs LossInputs.topk_ids, topk_behavior_logprobs "
+                             "and topk_logprobs [B, T, K] and sampled_ids [B, T] (the trainer fills them when "
+                             "loss.needs_topk > 0; sampled_ids are the targets, TrainBatch.input_ids[:, 1:])")
+        if lp.shape != lmu.shape or lp.shape != ids.shape or lp.dim() != 3 or lp.shape[:2] != valid.shape:
+            raise ValueError(f"top-K log-probs and ids must all be [B, T, K] with [B, T] = {list(valid.shape)}; got "
+                             f"topk_logprobs {list(lp.shape)}, topk_behavior_logprobs {list(lmu.shape)}, "
+                             f"topk_ids {list(ids.shape)}")
+        if sampled.shape != valid.shape:
+            raise ValueError(f"sampled_ids must be [B, T] = {list(valid.shape)} (the token sampled at each position, "
+                             f"TrainBatch.input_ids[:, 1:]); got {list(sampled.shape)}")
         off = ~valid.unsqueeze(-1)  # [B, T, 1]
-        return lp.detach().masked_fill(off, float("-inf")), lmu.detach().masked_fill(off, float("-inf"))
+        return (lp.detach().masked_fill(off, float("-inf")), lmu.detach().masked_fill(off, float("-inf")), ids,
+                sampled)
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
         anchored = replace(inputs, behavior_logprobs=self._anchor(inputs))

@@ -50,7 +50,8 @@ class SAPO(PolicyLoss):
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
         valid, mask, _, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu, not truncated
-        tau = torch.where(adv > 0, self.tau_pos, self.tau_neg).to(r.dtype)  # [B, T]
+        # in r's dtype from the start: torch.where on two Python floats would build float32 (1.05 -> 1.0499999523)
+        tau = r.new_full(r.shape, self.tau_neg).masked_fill_(adv > 0, self.tau_pos)  # [B, T]
         sig = torch.sigmoid(tau * (r - 1.0))  # [B, T]
         token_losses = -(4.0 / tau) * sig * adv * mask  # [B, T]
         if inputs.weights is not None:

@@ -96,7 +96,8 @@ def test_weights_scale_token_losses_not_mask():
 # sampled id 3 (not in the top-K): cells {0}, {1}, {2}, {3}, rest {4}: TV = 1/2 (.1 + .1 + 0 + .01 + .01) = .11,
 #   KL = .4 ln(4/3) + .3 ln(3/4) + 0 + .06 ln(6/5) + .04 ln(4/5) = .1150728 - .0863046 + .0109393 - .0089257 = .0307818
 #   Binary on the same token: TV |.05 - .06| = .01, KL .06 ln(6/5) + .94 ln(.94/.95) = .0009921
-# sampled id 1 (in the top-K, its engine log mu 1e-7 off the top-K entry's, as two kernels give): entry 1 is dropped,
+# sampled id 1 (in the top-K, its engine log mu 1e-7 off the top-K entry's, as two kernels give): entry 1 is dropped
+#   (matched by id, so the 1e-7 does not matter),
 #   cells {0}, {2}, {1}, rest {3, 4} (mu .1, pi .1): TV = 1/2 (.1 + 0 + .1 + 0) = .1, KL = .4 ln(4/3) + .3 ln(3/4)
 #   = .0287682. Counting the sampled token twice would give TV 1/2 (.1 + .1 + 0 + .1) + 0 (rest clamped) = .15.
 MU5, PI5 = [0.4, 0.3, 0.2, 0.06, 0.04], [0.3, 0.4, 0.2, 0.05, 0.05]
@@ -105,14 +106,15 @@ MU5, PI5 = [0.4, 0.3, 0.2, 0.06, 0.04], [0.3, 0.4, 0.2, 0.05, 0.05]
 def _topk_inputs(adv, nudge=1e-7):
     top_mu, top_pi = torch.log(T_([[MU5[:3]] * 2])), torch.log(T_([[PI5[:3]] * 2]))  # [1, 2, 3]
     inp = _inputs([PI5[3], PI5[1]], [MU5[3], MU5[1]], adv, topk_ids=torch.tensor([[[0, 1, 2]] * 2]),
-                  topk_behavior_logprobs=top_mu, topk_logprobs=top_pi)
+                  topk_behavior_logprobs=top_mu, topk_logprobs=top_pi, sampled_ids=torch.tensor([[3, 1]]))
     inp.behavior_logprobs[0, 1] += nudge
     return inp
 
 
 def test_topk_golden_values_and_dedupe():
     inp = _topk_inputs([1.0, 1.0])
-    args = (inp.logprobs, inp.behavior_logprobs, inp.topk_logprobs, inp.topk_behavior_logprobs)
+    args = (inp.logprobs, inp.behavior_logprobs, inp.topk_logprobs, inp.topk_behavior_logprobs, inp.topk_ids,
+            inp.sampled_ids)
     torch.testing.assert_close(topk_divergence("tv", *args), T_([[0.11, 0.1]]))
     torch.testing.assert_close(topk_divergence("kl", *args), T_([[0.0307818, 0.0287682]]), atol=1e-7, rtol=0)
     torch.testing.assert_close(binary_divergence("tv", *args[:2]), T_([[0.01, 0.1]]))
@@ -127,6 +129,60 @@ def test_topk_masks_where_binary_does_not():
     torch.testing.assert_close(_grad(out, inp)[0], T_([0.0, -4 / 3]), rtol=1e-6, atol=0)
     inp = _topk_inputs([-1.0, 1.0])
     torch.testing.assert_close(_grad(DPPO(delta=0.105)(inp), inp)[0, 0], T_(0.05 / 0.06))
+
+
+# ------------------------------------------------------------ top-K: the sampled token is matched by id, not by log mu
+# bf16 logits often give two top-K entries the same log mu; the sampled token must still be matched by its id.
+# top-K ids (5, 7, 9); "t" = a top-K entry, "s" = the sampled cell, "rest" = 1 - the others (clamped at 1e-12).
+# tie_a: mu_top (.4, .3, .3), pi_top (.6, .1, .3), sampled id 9 (3rd) with mu = pi = .3 (ties with id 7's mu .3).
+#   Cells t5 .4/.6, t7 .3/.1, s9 .3/.3 (t9 dropped), rest 0/0 (both clamped to 1e-12, contributes 0):
+#   TV = 1/2 (.2 + .2 + 0) = .2;  KL = .4 ln(.4/.6) + .3 ln(.3/.1) = -.1621860 + .3295837 = .1673976.
+#   Matching the nearest log mu drops t7 (the first tie) and counts token 9 twice: TV 1/2 (.2 + 0 + 0) = .1 and
+#   KL .4 ln(.4/.6) = -.1621860 < 0. pi = mu: never masked, grad -A r = -(-1)(1) = 1.
+# tie_b: as tie_a with pi_top (.6, .11, .29), the sampled id 9 at pi .29 < mu .3 and A = -1 (moving away from mu):
+#   TV = 1/2 (.2 + .19 + .01) = .2 > .15;  KL = .4 ln(.4/.6) + .3 ln(.3/.11) + .3 ln(.3/.29) = .1489751 > .05
+#   -> masked by both defaults: grad 0, loss 0. (Nearest log mu: TV 1/2 (.2 + .01 + .01) = .11 <= .15 and
+#   KL .4 ln(.4/.6) + 2 * .3 ln(.3/.29) = -.1418451: kept with grad -A r = .29/.3 = .9667.)
+# tie_c: mu_top (.3, .2, .2), pi_top (.3, .1, .2), sampled id 2 (not in the top-K) with mu = pi = .2 (ties with ids 7
+#   and 9), rest mu .1, pi .2. Cells t5 .3/.3, t7 .2/.1, t9 .2/.2, s2 .2/.2, rest .1/.2 (the extra cell of the
+#   definition): TV = 1/2 (.1 + .1) = .1;  KL = .2 ln 2 + .1 ln(1/2) = .1 ln 2 = .0693147. (Nearest log mu drops t7
+#   into the rest, .3/.3: TV 0, KL 0.) pi = mu: never masked, grad -A r = -1.
+TIES = {  # name: (mu_top, pi_top, sampled id, mu, pi, A, TV, KL, grad under either default delta)
+    "tie_a": ((0.4, 0.3, 0.3), (0.6, 0.1, 0.3), 9, 0.3, 0.3, -1.0, 0.2, 0.1673976, 1.0),
+    "tie_b": ((0.4, 0.3, 0.3), (0.6, 0.11, 0.29), 9, 0.3, 0.29, -1.0, 0.2, 0.1489751, 0.0),
+    "tie_c": ((0.3, 0.2, 0.2), (0.3, 0.1, 0.2), 2, 0.2, 0.2, 1.0, 0.1, 0.0693147, -1.0),
+}
+
+
+def _tie_inputs(name):
+    mu_top, pi_top, sid, mu, pi, adv = TIES[name][:6]
+    # log mu of the sampled token and of its tied entries are the same float64, as tied bf16 logits give
+    return _inputs([pi], [mu], [adv], topk_ids=torch.tensor([[[5, 7, 9]]]), sampled_ids=torch.tensor([[sid]]),
+                   topk_behavior_logprobs=torch.log(T_([[mu_top]])), topk_logprobs=torch.log(T_([[pi_top]])))
+
+
+@pytest.mark.parametrize("name", sorted(TIES))
+def test_topk_tied_log_mu_golden_divergences(name):
+    inp = _tie_inputs(name)
+    args = (inp.logprobs, inp.behavior_logprobs, inp.topk_logprobs, inp.topk_behavior_logprobs, inp.topk_ids,
+            inp.sampled_ids)
+    tv, kl = TIES[name][6:8]
+    torch.testing.assert_close(topk_divergence("tv", *args), T_([[tv]]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(topk_divergence("kl", *args), T_([[kl]]), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(TIES))
+@pytest.mark.parametrize("loss", [DPPOTopKTV(top_k=3), DPPOTopKKL(top_k=3)], ids=["tv", "kl"])
+def test_topk_tied_log_mu_mask_and_gradient(loss, name):
+    # Through the loss (default deltas .15 TV, .05 KL): the divergence it reports and the gradient the mask leaves
+    inp = _tie_inputs(name)
+    out = loss(inp)
+    grad = TIES[name][8]
+    torch.testing.assert_close(_grad(out, inp), T_([[grad]]), rtol=1e-12, atol=0)
+    div = TIES[name][6] if loss.divergence == "topk_tv" else TIES[name][7]
+    assert out.metrics["divergence_mean"].item() == pytest.approx(div, abs=1e-7)
+    assert out.metrics["masked_frac"].item() == (1.0 if grad == 0.0 else 0.0)
+    assert out.mask.tolist() == [[1.0]]  # masked or not, the token stays in the denominator
 
 
 # ------------------------------------------------------------- every variant vs a closed form, independent divergence
@@ -165,7 +221,8 @@ def test_autograd_matches_closed_form(divergence, delta, clip_ratio, anchor):
     logprobs = gather(pi, s[..., None])[..., 0].requires_grad_()
     inp = LossInputs(logprobs, gather(mu, s[..., None])[..., 0], adv, torch.ones_like(adv),
                      proximal_logprobs=gather(old, s[..., None])[..., 0] if anchor == "recompute" else None,
-                     topk_ids=top, topk_behavior_logprobs=gather(mu, top), topk_logprobs=gather(pi, top))
+                     topk_ids=top, topk_behavior_logprobs=gather(mu, top), topk_logprobs=gather(pi, top),
+                     sampled_ids=s)
     out = DPPO(divergence, delta=delta, clip_ratio=clip_ratio, anchor=anchor, top_k=3)(inp)
     (grad,) = torch.autograd.grad(out.token_losses.sum(), logprobs)
 
@@ -197,7 +254,7 @@ def test_binary_lower_bounds_topk_lower_bounds_full(k):
     assert bool((s[..., None] == top).any(-1).any()) and not bool((s[..., None] == top).any(-1).all())
     full = {"tv": 0.5 * (mu - pi).abs().sum(-1), "kl": (mu * (mu / pi).log()).sum(-1)}
     for kind in ("tv", "kl"):
-        binary, topk = binary_divergence(kind, lp, lmu), topk_divergence(kind, lp, lmu, tlp, tlmu)
+        binary, topk = binary_divergence(kind, lp, lmu), topk_divergence(kind, lp, lmu, tlp, tlmu, top, s)
         assert bool((topk >= binary - 1e-7).all()) and bool((topk <= full[kind] + 1e-12).all())
         assert bool((topk > binary + 1e-3).any())  # and the bound is not trivially tight
 
@@ -206,7 +263,7 @@ def test_topk_covering_the_vocabulary_is_the_full_divergence():
     # K = V = 4: the rest cell is empty, 1 - sum rounds to ~ +-1e-16 and is clamped at 1e-12 (never negative, no NaN)
     mu, pi, _, s, top, _ = _random_batch(seed=7, b=10, t=30, v=4, k=4)
     args = (pi.gather(-1, s[..., None])[..., 0].log(), mu.gather(-1, s[..., None])[..., 0].log(),
-            pi.gather(-1, top).log(), mu.gather(-1, top).log())
+            pi.gather(-1, top).log(), mu.gather(-1, top).log(), top, s)
     torch.testing.assert_close(topk_divergence("tv", *args), 0.5 * (mu - pi).abs().sum(-1))
     torch.testing.assert_close(topk_divergence("kl", *args), (mu * (mu / pi).log()).sum(-1))
 
@@ -220,7 +277,8 @@ def test_gradcheck_float64(loss):
     c = torch.tensor([[0.5, -0.4, 0.3, -0.2, 0.6], [-0.5, 0.4, -0.3, 0.2, 0.1]], dtype=DT)  # log r
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=DT)
     logprobs = pi.gather(-1, s[..., None])[..., 0].log().requires_grad_()
-    topk = {"topk_behavior_logprobs": mu.gather(-1, top).log(), "topk_logprobs": pi.gather(-1, top).log()}
+    topk = {"topk_behavior_logprobs": mu.gather(-1, top).log(), "topk_logprobs": pi.gather(-1, top).log(),
+            "topk_ids": top, "sampled_ids": s}
 
     def f(lp):
         anchor = lp.detach() - c  # [B, T]; with anchor="recompute" it is pi_old, and mu is left arbitrary
@@ -286,9 +344,21 @@ def test_bad_config_raises_with_fix(kwargs, match):
 def test_missing_inputs_raise():
     with pytest.raises(ValueError, match="needs LossInputs.proximal_logprobs"):
         DPPO(anchor="recompute")(_inputs([0.6], [0.5], [1.0]))
-    with pytest.raises(ValueError, match="needs LossInputs.topk_behavior_logprobs and topk_logprobs"):
+    with pytest.raises(ValueError, match="needs LossInputs.topk_ids, topk_behavior_logprobs and topk_logprobs"):
         DPPO("topk_tv", top_k=3)(_inputs([0.6], [0.5], [1.0]))
+    no_ids = _topk_inputs([1.0, 1.0])
+    no_ids.sampled_ids = None
+    with pytest.raises(ValueError, match=r"sampled_ids \[B, T\].*input_ids\[:, 1:\]"):
+        DPPO("topk_tv", top_k=3)(no_ids)
     bad = _topk_inputs([1.0, 1.0])
     bad.topk_logprobs = bad.topk_logprobs[..., :2]
-    with pytest.raises(ValueError, match=r"must both be \[B, T, K\]"):
+    with pytest.raises(ValueError, match=r"must all be \[B, T, K\]"):
+        DPPO("topk_tv", top_k=3)(bad)
+    bad = _topk_inputs([1.0, 1.0])
+    bad.topk_ids = bad.topk_ids[..., :2]
+    with pytest.raises(ValueError, match=r"must all be \[B, T, K\].*topk_ids \[1, 2, 2\]"):
+        DPPO("topk_tv", top_k=3)(bad)
+    bad = _topk_inputs([1.0, 1.0])
+    bad.sampled_ids = bad.sampled_ids[:, :1]
+    with pytest.raises(ValueError, match=r"sampled_ids must be \[B, T\] = \[1, 2\]"):
         DPPO("topk_tv", top_k=3)(bad)

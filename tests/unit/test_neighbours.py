@@ -145,6 +145,29 @@ def test_sapo_golden():
     assert out.metrics["gate_min"].item() == pytest.approx(0.4670699116 / 0.5)
 
 
+def test_sapo_tau_has_the_inputs_dtype():
+    # float64 inputs must see tau_neg = 1.05 and tau_pos = 0.3 as float64, not rounded through float32
+    # (1.0499999523, 0.3000000119: the on-policy loss 2 * 2 / 1.05 would move by 1.7e-7). By hand, in Python floats:
+    # t0 A  1, tau .3,   r 1.5: s = sigmoid(.15) = .53742985; l = -(4/.3) s = -7.16573127; grad -A r 4 s (1 - s) = -1.49159404
+    # t1 A -1, tau 1.05, r .5:  s = sigmoid(-.525) = .37168381; l = (4/1.05) s = 1.41593833; grad = .46706991
+    # t2 A -2, tau 1.05, r 1:   s = .5; l = 2 * 2/1.05 = 3.80952381; grad = 2 (plain PG on-policy)
+    r, adv = [1.5, 0.5, 1.0], [1.0, -1.0, -2.0]
+    out, grad = _run(SAPO(tau_pos=0.3, tau_neg=1.05), r, adv)
+    loss, g = [], []
+    for r_, a in zip(r, adv):
+        tau = 0.3 if a > 0 else 1.05
+        s = 1.0 / (1.0 + math.exp(-tau * (r_ - 1.0)))
+        loss.append(-(4.0 / tau) * s * a)
+        g.append(-a * r_ * 4.0 * s * (1.0 - s))
+    torch.testing.assert_close(out.token_losses[0], torch.tensor(loss, dtype=DT), rtol=1e-15, atol=0)
+    torch.testing.assert_close(grad, torch.tensor(g, dtype=DT), rtol=1e-15, atol=0)
+    assert out.token_losses[0, 2].item() == 2 * 2 / 1.05
+    # float32 inputs keep float32 throughout
+    lp = torch.zeros(1, 2, requires_grad=True)
+    out32 = SAPO()(LossInputs(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)))
+    assert out32.token_losses.dtype == torch.float32
+
+
 def test_sapo_gate_and_closed_form_gradient():
     logp, log_mu, adv = _random(4, spread=1.0)
     grad, r = _grad(SAPO(tau_pos=1.0, tau_neg=2.0), logp, log_mu, adv)

@@ -168,7 +168,7 @@ def test_loss_declarations_fill_inputs(model_path):
     _step(module, batch)
     s = probe.seen
     torch.testing.assert_close(s.proximal_logprobs, s.logprobs.detach())  # same weights, no grad
-    assert not s.proximal_logprobs.requires_grad and s.topk_logprobs is None
+    assert not s.proximal_logprobs.requires_grad and s.topk_logprobs is None and s.sampled_ids is None
     assert s.reduce is None  # single process: identity
     # under DDP the reduce sums a statistic over ranks: here a fake gather that stacks two ranks' values
     reduce = sum_over_ranks(lambda x: torch.stack([x, 2 * x]))
@@ -183,6 +183,7 @@ def test_loss_declarations_fill_inputs(model_path):
     _step(module, batch)
     s = topk.seen
     assert s.topk_ids.shape == s.topk_logprobs.shape == (2, 6, 2) and s.topk_logprobs.requires_grad
+    assert torch.equal(s.sampled_ids, batch.input_ids[:, 1:])  # the targets, matched against topk_ids by id
     with torch.no_grad():
         fwd = policy_forward(module.model, batch.input_ids, batch.attention_mask, 1.0, topk_ids=ids[..., :2])
     torch.testing.assert_close(s.topk_logprobs.detach(), fwd.topk_logprobs)
