@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # TrainBatch's annotations only: records load without torch (they cross Dask's scheduler)
+    import torch
 
 Split = Literal["train", "heldout"]
 
@@ -134,6 +135,52 @@ class WeightRef:
     nbytes: int = 0
     checksum: str = ""
     published_at: float = 0.0  # time.time() at publication
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One task handed out for rollout by the data layer (`astratk.dataflow.leases`). A re-issue keeps the lease id
+    and counts the attempt, so a slow original and its re-issue cannot both be admitted."""
+
+    lease_id: str
+    task: Task
+    routes: dict[str, str]  # env role -> policy_id
+    deadline: float  # on the data layer's clock
+    attempt: int = 1
+
+
+# What became of one lease's result at the data layer (`astratk.dataflow.leases`): `new` (admitted), `late` (admitted
+# after the lease had been dropped following its last attempt), `held` (synchronous mode: admitted with its round),
+# `duplicate` (already admitted), `late_refused` or `unknown` (not a lease of this layer, or not its task).
+AdmitStatus = Literal["new", "late", "held", "duplicate", "late_refused", "unknown"]
+
+
+@dataclass(frozen=True)
+class AdmitOutcome:
+    lease_id: str
+    status: AdmitStatus
+    admitted: int = 0  # groups that joined a buffer in this call (a completed synchronous round counts them all)
+
+    @property
+    def duplicate(self) -> bool:
+        return self.status == "duplicate"
+
+
+@dataclass(frozen=True)
+class AdmitReport:
+    """`DataLayer.admit_many`'s answer: an outcome per lease, and the policies' versions after admission (the
+    "current" of version-lag metrics)."""
+
+    outcomes: tuple[AdmitOutcome, ...]
+    versions: dict[str, int]
+
+    @property
+    def admitted(self) -> int:
+        return sum(o.admitted for o in self.outcomes)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(o.duplicate for o in self.outcomes)
 
 
 @dataclass

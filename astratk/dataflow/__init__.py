@@ -2,9 +2,28 @@
 
 `DataLayer` is the one stateful coordinator; it runs as a Dask actor on the control worker or in-process.
 `DataLayerHandle` hides which, and owns the client-side waiting (an actor call never blocks the actor).
+
+The names load on first use, so that importing a submodule (`astratk.spec` imports the stage contracts) does not
+load the data layer with numpy and fsspec.
 """
 
-from astratk.dataflow.datalayer import DataLayer, Lease
-from astratk.dataflow.handle import DataLayerHandle
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "DataLayer": "astratk.dataflow.datalayer",
+    "Lease": "astratk.dataflow.datalayer",
+    "DataLayerHandle": "astratk.dataflow.handle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'astratk.dataflow' has no attribute {name!r}")
+
 
 __all__ = ["DataLayer", "DataLayerHandle", "Lease"]

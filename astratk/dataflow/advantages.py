@@ -1,6 +1,8 @@
 """Group advantages: pure functions of one group's rewards (ALGORITHMS §4 "Advantages").
 
-Selected by name in `DataflowSpec.advantage`; add one by writing a function here and an entry in `ADVANTAGES`.
+Selected by name in `DataflowSpec.advantage`: a short name from `astratk.registry.REGISTRY["advantage"]`, or the dotted
+path of any function `rewards -> advantages` (`mypkg.advantages.centred`). Add a built-in by writing a function here
+and a line in the registry.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from astratk.registry import resolve
 
 
 def dr_grpo(rewards: Sequence[float]) -> list[float]:
@@ -31,11 +35,15 @@ def rloo(rewards: Sequence[float]) -> list[float]:
     return (r - (r.sum() - r) / (n - 1)).tolist()
 
 
-ADVANTAGES: dict[str, Callable[[Sequence[float]], list[float]]] = {"dr_grpo": dr_grpo, "grpo": grpo, "rloo": rloo}
-
-
 def get_advantage(name: str) -> Callable[[Sequence[float]], list[float]]:
-    try:
-        return ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage {name!r}; choose one of {sorted(ADVANTAGES)}") from None
+    """The advantage function `name` (short name or dotted path), or a ValueError with the choices.
+
+    Example:
+        >>> get_advantage("rloo")([1.0, 0.0])
+        [1.0, -1.0]
+    """
+    fn = resolve("advantage", name)
+    if not callable(fn):
+        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+            f"advantage {name!r} is a {type(fn).__name__}, not a function rewards -> advantages")
+    return fn

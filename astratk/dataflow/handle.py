@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from astratk.records import Group
+from astratk.records import AdmitOutcome, AdmitReport, Group, Lease, WeightRef
+
+if TYPE_CHECKING:
+    from astratk.dataflow.snapshots import SnapshotEntry
 
 
 class DataLayerHandle:
@@ -61,6 +64,56 @@ class DataLayerHandle:
                 self._replace(target)
         raise AssertionError("unreachable")
 
+    # ------------------------------------------------------------------ one typed method per data-layer method
+    def lease(self, n: int) -> list[Lease]:
+        return self.call("lease", n)
+
+    def release(self, leases: Sequence[tuple[str, int]], reason: str = "error") -> None:
+        self.call("release", list(leases), reason)
+
+    def admit(self, lease_id: str, groups: Sequence[Group]) -> AdmitOutcome:
+        return self.call("admit", lease_id, list(groups))
+
+    def admit_many(self, items: Sequence[tuple[str, Sequence[Group]]]) -> AdmitReport:
+        return self.call("admit_many", [(lease_id, list(groups)) for lease_id, groups in items])
+
+    def publish_version(self, ref: WeightRef) -> None:
+        self.call("publish_version", ref)
+
+    def latest(self, policy_id: str) -> WeightRef | None:
+        return self.call("latest", policy_id)
+
+    def version(self, policy_id: str) -> int:
+        return self.call("version", policy_id)
+
+    def versions(self) -> dict[str, int]:
+        return self.call("versions")
+
+    def next_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1) -> list[Group] | None:
+        return self.call("next_batch", policy_id, step, rank, world_size)
+
+    def set_paused(self, paused: bool) -> None:
+        self.call("set_paused", paused)
+
+    def is_paused(self) -> bool:
+        return self.call("is_paused")
+
+    def metrics(self, timeout: float | None = None) -> dict[str, float]:
+        return self.call("metrics", timeout=timeout)
+
+    def status(self) -> str:
+        return self.call("status")
+
+    def snapshot(self, kind: str = "on_demand") -> SnapshotEntry:
+        return self.call("snapshot", kind)
+
+    def load_snapshot(self, url: str, name: str | None = None) -> dict[str, Any]:
+        return self.call("load_snapshot", url, name)
+
+    def state_dict(self, batches_kept: int | None = None) -> dict[str, Any]:
+        return self.call("state_dict", batches_kept)
+
+    # ------------------------------------------------------------------------------------------------ plumbing
     def _replace(self, lost: Any) -> None:
         """Start a replacement for the lost actor `lost`, unless another caller already has."""
         with self._recover_lock:
@@ -76,17 +129,17 @@ class DataLayerHandle:
         delay = poll_s
         checked = start
         while True:
-            groups = self.call("next_batch", policy_id, step, rank, world_size)
+            groups = self.next_batch(policy_id, step, rank, world_size)
             if groups is not None:
                 return groups
             now = time.monotonic()
             if now - checked > 1.0:  # a paused run is not a stalled one: the timeout restarts after the pause
                 checked = now
-                if self.call("is_paused"):
+                if self.is_paused():
                     start = now
             waited = time.monotonic() - start
             if waited > timeout:
-                status = self.call("status")
+                status = self.status()
                 raise TimeoutError(f"waited {waited:.0f}s for policy {policy_id!r} step {step} batch (rank {rank}/"
                                    f"{world_size}); rollouts did not fill the buffer. Data layer: {status}")
             time.sleep(delay)

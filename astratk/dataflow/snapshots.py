@@ -133,3 +133,10 @@ class SnapshotStore:
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.url!r}, {len(self.entries())} snapshots)"
+
+
+def same_keys(what: str, saved: dict[str, Any], here: dict[str, Any]) -> None:
+    """Refuse a state whose parts (policies, stages) are not the ones this spec configures, naming both."""
+    if list(saved) != list(here):
+        raise ValueError(f"data layer state has {what} {list(saved)}, but this spec configures {list(here)}; "
+                         "restore with the spec the state was taken from")

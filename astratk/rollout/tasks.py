@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from astratk.dataflow.datalayer import Lease
 from astratk.dataflow.handle import DataLayerHandle
+from astratk.records import Lease
 from astratk.rollout.service import LeaseResult, RunContext, get_service
 
 
@@ -25,25 +25,25 @@ def score_task(ctx: RunContext, results: Sequence[LeaseResult]) -> list[LeaseRes
 
 def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> dict[str, Any]:
     """Admit each lease's groups (idempotent by lease id) in one data-layer call. Returns float totals plus, under
-    "services", what each rollout service produced in this chunk (`astratk.rollout.acquisition.ServiceStats`
+    "services", what each rollout service produced in this chunk (`astratk.runtime.acquisition.ServiceStats`
     aggregates them). In synchronous mode a round's groups are admitted when the round completes, so a chunk's
     "groups_admitted" counts whatever its call completed."""
-    reply = datalayer.call("admit_many", [(res.lease_id, list(res.groups)) for res in results])
-    current: dict[str, int] = reply["versions"]  # "current" for the version lag: the version at admission
+    reply = datalayer.admit_many([(res.lease_id, res.groups) for res in results])
+    current = reply.versions  # "current" for the version lag: the version at admission
     admitted = duplicates = samples = 0
     seconds = 0.0
     services: dict[str, dict[str, Any]] = {}
-    for res, out in zip(results, reply["outcomes"]):
-        admitted += out["admitted"]
-        duplicates += out["duplicate"]
+    for res, out in zip(results, reply.outcomes):
+        admitted += out.admitted
+        duplicates += out.duplicate
         samples += sum(len(g.trajectories) for g in res.groups)
         seconds += res.seconds
         s = services.setdefault(res.service, {"hardware": res.hardware, "leases": 0.0, "groups_admitted": 0.0,
                                               "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0,
                                               "lags": [], "versions": [], "synced_versions": res.synced_versions})
         s["leases"] += 1
-        s["groups_admitted"] += out["admitted"]
-        s["duplicates"] += out["duplicate"]
+        s["groups_admitted"] += out.admitted
+        s["duplicates"] += out.duplicate
         s["seconds"] = max(s["seconds"], res.seconds)  # a chunk's leases run concurrently: its time is the longest
         for g in res.groups:
             s["samples"] += len(g.trajectories)

@@ -57,8 +57,8 @@ def test_admission_is_idempotent_by_lease():
     clock.now = 11.0
     [again] = dl.lease(1)  # re-issued: the slow original and the re-issue may both come back
     assert again.lease_id == a.lease_id
-    assert dl.admit(a.lease_id, [group(a)]) == {"admitted": 1, "duplicate": 0}
-    assert dl.admit(again.lease_id, [group(again)]) == {"admitted": 0, "duplicate": 1}
+    assert dl.admit(a.lease_id, [group(a)]).admitted == 1
+    assert dl.admit(again.lease_id, [group(again)]).status == "duplicate"
     assert dl.metrics()["data/duplicates_ignored"] == 1
     assert dl.metrics()["data/main/buffer_groups"] == 1
 
@@ -106,14 +106,14 @@ def test_batch_assembled_once_and_sharded():
     leases = dl.lease(4)
     for lease in leases:
         dl.admit(lease.lease_id, [group(lease)])
-    full = dl.next_batch("main", 5, 0, 1)
-    assert dl.next_batch("main", 5, 0, 1) == full  # a retry of the same step sees the same groups
-    r0, r1 = dl.next_batch("main", 5, 0, 2), dl.next_batch("main", 5, 1, 2)
+    full = dl.next_batch("main", 2, 0, 1)  # step 2 trains from version 2: version-0 groups are within the bound 4
+    assert dl.next_batch("main", 2, 0, 1) == full  # a retry of the same step sees the same groups
+    r0, r1 = dl.next_batch("main", 2, 0, 2), dl.next_batch("main", 2, 1, 2)
     assert r0 == [full[0]] and r1 == [full[1]]
-    assert dl.next_batch("main", 6) is not None  # the other two groups
-    assert dl.next_batch("main", 7) is None
+    assert dl.next_batch("main", 3) is not None  # the other two groups
+    assert dl.next_batch("main", 4) is None
     with pytest.raises(ValueError, match="rank"):
-        dl.next_batch("main", 5, 2, 2)
+        dl.next_batch("main", 2, 2, 2)
 
 
 def test_versions_never_go_back():
@@ -132,7 +132,7 @@ def test_failure_of_an_expired_attempt_leaves_its_reissue_running():
     assert (b.lease_id, b.attempt) == (a.lease_id, 2)
     dl.release([(a.lease_id, 1)])  # the stalled first attempt finally fails
     assert dl.metrics()["data/leases_outstanding"] == 1 and "data/leases_released_error" not in dl.metrics()
-    assert dl.admit(b.lease_id, [group(b)]) == {"admitted": 1, "duplicate": 0}
+    assert dl.admit(b.lease_id, [group(b)]).admitted == 1
 
 
 def test_queued_reissue_is_dropped_once_the_original_is_admitted():

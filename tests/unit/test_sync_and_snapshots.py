@@ -11,7 +11,7 @@ import torch
 from astratk.dataflow.datalayer import DataLayer
 from astratk.dataflow.snapshots import SnapshotStore
 from astratk.envs.workflows.solver_verifier import SolverVerifierEnv
-from astratk.records import Group, Trajectory, WeightRef
+from astratk.records import AdmitOutcome, AdmitReport, Group, Trajectory, WeightRef
 from astratk.spec import ClusterSpec, DataflowSpec, PolicySpec, RunSpec, SnapshotSpec, TrainerSpec
 from astratk.weights.store import WeightStore
 from tests.unit.test_datalayer import Clock
@@ -39,9 +39,9 @@ def test_synchronous_rounds_wait_for_the_trainer_and_admit_in_lease_order():
     round0 = dl.lease(100)  # a whole round whatever is asked: exactly one step's worth
     assert [lease.lease_id for lease in round0] == ["L0", "L1"]
     assert dl.lease(100) == []  # nothing more while the round is out
-    assert dl.admit("L1", [group(round0[1])])["admitted"] == 0  # held until the round is complete...
+    assert dl.admit("L1", [group(round0[1])]).admitted == 0  # held until the round is complete...
     assert dl.next_batch("main", 0) is None
-    assert dl.admit("L0", [group(round0[0])])["admitted"] == 2  # ...then admitted in lease order
+    assert dl.admit("L0", [group(round0[0])]).admitted == 2  # ...then admitted in lease order
     assert [g.group_id for g in dl.next_batch("main", 0)] == ["L0/policy", "L1/policy"]
     assert dl.lease(100) == []  # step 0 served: no rollouts until its weights (version 1) are published
     assert dl.next_batch("main", 1) is None
@@ -121,8 +121,9 @@ def test_admit_many_is_admit_for_each_lease_plus_versions():
     dl = DataLayer(spec(), clock=Clock())
     a, b = dl.lease(2)
     out = dl.admit_many([(a.lease_id, [group(a)]), (b.lease_id, [group(b)]), (a.lease_id, [group(a)])])
-    assert out == {"outcomes": [{"admitted": 1, "duplicate": 0}, {"admitted": 1, "duplicate": 0},
-                                {"admitted": 0, "duplicate": 1}], "versions": {"main": 0}}
+    assert out == AdmitReport((AdmitOutcome(a.lease_id, "new", 1), AdmitOutcome(b.lease_id, "new", 1),
+                               AdmitOutcome(a.lease_id, "duplicate", 0)), {"main": 0})
+    assert (out.admitted, out.duplicates) == (2, 1)
 
 
 # --------------------------------------------------------------------------------------------------- snapshots
@@ -177,8 +178,8 @@ def test_restore_reissues_outstanding_leases_and_admits_nothing_twice(tmp_path):
     again = new.lease(10)
     assert [(x.lease_id, x.attempt) for x in again[:2]] == [("L1", 1), ("L2", 1)]  # at once, same ids and attempts
     assert [x.task for x in again[:2]] == [b.task, c.task]
-    assert new.admit(a.lease_id, [group(a)]) == {"admitted": 0, "duplicate": 1}  # admitted before the snapshot
-    assert new.admit(b.lease_id, [group(b)])["admitted"] == 1
+    assert new.admit(a.lease_id, [group(a)]).status == "duplicate"  # admitted before the snapshot
+    assert new.admit(b.lease_id, [group(b)]).admitted == 1
     assert again[2].lease_id == "L3" and again[2].task == dl.lease(1)[0].task  # the task stream continues in step
     m = new.metrics()
     assert m["data/leases_restored"] == 2 and m["data/restores"] == 1
@@ -252,7 +253,7 @@ def test_a_policy_held_by_the_barrier_does_not_starve_the_other():
         for lease in dl.lease(1):
             dl.admit(lease.lease_id, [group(lease, policy="solver", role="solver"),
                                       group(lease, policy="verifier", role="verifier")])
-        dl._buffers["solver"].clear()  # the solver keeps consuming
+        dl._server._buffers["solver"].clear()  # the solver keeps consuming
     m = dl.metrics()
     assert m["data/verifier/buffer_groups"] <= 8 + 1 and m["data/verifier/groups_dropped_overflow"] > 0  # cap + in flight
     assert dl.next_batch("verifier", 0) is not None  # the verifier catches up from its freshest groups

@@ -5,8 +5,10 @@ A batch of n groups is assembled in this order (`DataLayer._take`):
    bound is kept); `Staleness`, built from `DataflowSpec.max_staleness` and `lag_decay`;
 2. replay — ⌊n × ratio⌋ groups are taken first from the replay buffer (groups served fresh before), by the
    selector (`recent`: most recent first, AstraFlow's `latest`); fewer when it holds fewer, and fresh groups fill
-   the rest (counted as `short`). Replayed groups are not re-checked for staleness and are not re-added (AstraFlow's
-   rule: a group can be replayed again while it stays in the last `capacity` served);
+   the rest (counted as `short`). Replayed groups are not re-added (AstraFlow's rule: a group can be replayed again
+   while it stays in the last `capacity` served), but they obey the staleness bound like fresh ones: before each
+   batch the replay buffer evicts groups that would be stale at the version the batch is trained from (counted as
+   `stale_evicted`; AstraFlow does not re-check them, we do, so no token is ever trained beyond its bound);
 3. order — the fresh groups are ranked: `fifo` by arrival, `edf` by version ascending, ties by arrival;
 4. mixing — the fresh slots are shared across envs (`group.task.env`) in proportion to `ratios`, by smooth weighted
    round-robin whose credits carry over between batches (so rounding is fair over time); each env's slots take its
@@ -128,6 +130,13 @@ class Replay(Stage):
             chosen = [buf[i] for i in self._rng.sample(range(len(buf)), k)]
         self._counts["replayed"] += k
         return chosen
+
+    def evict_older_than(self, oldest: int) -> None:
+        """Evict groups whose version is below `oldest` (counted `stale_evicted`): they would be stale."""
+        kept = deque(g for g in self._buffer if g.version >= oldest)
+        if len(kept) < len(self._buffer):
+            self._counts["stale_evicted"] += len(self._buffer) - len(kept)
+            self._buffer = kept
 
     def add(self, groups: Iterable[Group]) -> None:
         for g in groups:
