@@ -5,14 +5,19 @@ Plug-ins are typed by their contract (`env: Env`, `loss: PolicyLoss`), so YAML g
 `init_args` (a registry short name such as `drpo` is sugar for the dotted path) and a notebook passes instances:
 `PolicySpec(loss=DRPO(delta=0.5))`. A constructor is its plug-in's config, so bad values fail at parse time; envs
 and losses must be cheap to pickle (they travel to workers and the data-layer actor with the spec).
-`RunSpec.validate()` checks cross-field rules and raises naming the key to change.
+`RunSpec.validate()` checks every field and the rules between them, and raises naming the key to change.
 
-Extending: add a field with a default to the dataclass that owns the concept; later issues add stage specs here.
+Layering: this module is a leaf that loads no torch (the CLI, notebooks and cluster jobs read it cheaply; a test
+checks it). Each dataclass checks its own fields (`validate(key)`, `key` being where it sits in the YAML);
+`RunSpec.validate()` runs them all and the rules between fields, which need other modules (loggers, engines,
+advantages, TLS), in `astratk.validation`.
+
+Extending: add a field with a default to the dataclass that owns the concept, and its range check to that
+dataclass's `validate`; a rule that involves another field or module goes to `astratk.validation`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,6 @@ from typing import Any
 from astratk.contracts import Env, PolicyLoss, TokenCorrection
 from astratk.dataflow.stages.base import Curator, GroupFilter, ServingOrder
 from astratk.dataflow.stages.serving import FIFO, Mixing, Replay
-from astratk.registry import REGISTRY, resolve_path
 
 
 @dataclass
@@ -44,6 +48,11 @@ class TinyModelSpec:
     warm_start_target: float | None = 0.3
     seed: int = 0
 
+    def validate(self, key: str = "model.tiny") -> None:
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
+            raise ValueError(f"{key}: hidden_size / num_heads must be an integer >= 32 (vLLM's CPU attention needs "
+                             f"it); got {self.hidden_size} / {self.num_heads}")
+
 
 @dataclass
 class ModelSpec:
@@ -58,10 +67,7 @@ class ModelSpec:
                 raise ValueError(f"{key}.path: {str(p)!r} is not an HF model directory (no config.json there); "
                                  f"give a directory saved with save_pretrained, or remove {key}.path to build the "
                                  "tiny model")
-        t = self.tiny
-        if t.hidden_size % t.num_heads or t.hidden_size // t.num_heads < 32:
-            raise ValueError(f"{key}.tiny: hidden_size / num_heads must be an integer >= 32 (vLLM's CPU attention "
-                             f"needs it); got {t.hidden_size} / {t.num_heads}")
+        self.tiny.validate(f"{key}.tiny")
 
 
 @dataclass
@@ -89,6 +95,25 @@ class TrainerSpec:
     # wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's metrics.nc does not need them).
     loggers: list[str] = field(default_factory=lambda: ["csv"])
 
+    def validate(self, key: str = "trainer") -> None:
+        """Ranges; `aggregation` and `loggers` name entries of other modules' tables (`astratk.validation`)."""
+        _positive(key, max_steps=self.max_steps, groups_per_step=self.groups_per_step, lr=self.lr,
+                  publish_every=self.publish_every)
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"{key}: kl_coef and entropy_coef must be >= 0 (0 = off), got "
+                             f"{self.kl_coef}, {self.entropy_coef}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"{key}.max_staleness must be >= 0 or null (dataflow.max_staleness), got "
+                             f"{self.max_staleness}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"{key}.checkpoint_every must be >= 1 step or null (no checkpoints), got "
+                             f"{self.checkpoint_every}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"{key}.micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or null "
+                             f"(the whole step's batch in one forward), got {self.micro_batch_tokens}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"{key}.kl_estimator: unknown {self.kl_estimator!r}; choose 'k1' or 'k3'")
+
 
 @dataclass
 class PolicySpec:
@@ -99,14 +124,17 @@ class PolicySpec:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     corrections: list[TokenCorrection] = field(default_factory=list)  # mismatch corrections, applied in order
 
-
-def _check_engine(name: str) -> None:
-    """`rollout.engine` names a known engine whose packages are installed (workers share the client's environment)."""
-    path = resolve_path("engine", name)
-    if path == REGISTRY["engine"]["vllm"] and importlib.util.find_spec("vllm") is None:
-        from astratk.engines._vllm_compat import INSTALL_HINT
-
-        raise ValueError(f"rollout.engine: {name!r} needs vLLM, which is not installed here: {INSTALL_HINT}")
+    def validate(self, key: str = "policies[0]") -> None:
+        """Its own fields; which env roles exist is the env's business (`astratk.validation`)."""
+        self.model.validate(f"{key}.model")
+        if not isinstance(self.loss, PolicyLoss):
+            raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+                f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(self.loss).__name__}")
+        for j, corr in enumerate(self.corrections):
+            if not isinstance(corr, TokenCorrection):
+                raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "  # noqa: TRY004
+                                 f"{type(corr).__name__}")
+        self.trainer.validate(f"{key}.trainer")
 
 
 @dataclass
@@ -121,6 +149,15 @@ class RolloutSpec:
     # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} for vllm
     engine_args: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self, key: str = "rollout") -> None:
+        """Ranges; whether `engine` is known and installed is checked in `astratk.validation`."""
+        _positive(key, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
+                  tasks_per_chunk=self.tasks_per_chunk, max_inflight_chunks=self.max_inflight_chunks,
+                  max_batch=self.max_batch)
+        if self.temperature <= 0:
+            raise ValueError(f"{key}.temperature: training rollouts sample, so it must be > 0 (got "
+                             f"{self.temperature}); greedy decoding is for evaluation")
+
 
 @dataclass
 class SnapshotSpec:
@@ -131,6 +168,13 @@ class SnapshotSpec:
     every_steps: int | None = 1  # periodic: when every k-th step's batch is served (the state a replacement actor
     #   continues from without serving a group twice); None: off
     keep_last: int = 3  # periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)
+
+    def validate(self, key: str = "dataflow.snapshot") -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"{key}.every_steps must be >= 1 or null (no periodic snapshots), got "
+                             f"{self.every_steps}")
+        if self.keep_last < 1:
+            raise ValueError(f"{key}.keep_last must be >= 1, got {self.keep_last}")
 
 
 @dataclass
@@ -163,6 +207,32 @@ class DataflowSpec:
     synchronous: bool = False
     snapshot: SnapshotSpec = field(default_factory=SnapshotSpec)
 
+    def validate(self, key: str = "dataflow") -> None:
+        """Ranges and stage types; `advantage` and `mixing` against the env are checked in `astratk.validation`."""
+        if self.max_staleness < 0:
+            raise ValueError(f"{key}.max_staleness must be >= 0, got {self.max_staleness}")
+        _positive(key, lease_timeout_s=self.lease_timeout_s, prefetch_steps=self.prefetch_steps,
+                  max_task_attempts=self.max_task_attempts, max_curator_skips=self.max_curator_skips)
+        if self.version_barrier is not None and self.version_barrier < 0:
+            raise ValueError(f"{key}.version_barrier must be >= 0 (0 = lock-step) or null (off), got "
+                             f"{self.version_barrier}")
+        self.snapshot.validate(f"{key}.snapshot")
+        if not 0.0 < self.lag_decay <= 1.0:
+            raise ValueError(f"{key}.lag_decay must be in (0, 1] (1 = no decay), got {self.lag_decay}")
+        for name, items, kind in (("curators", self.curators, Curator), ("filters", self.filters, GroupFilter)):
+            for i, stage in enumerate(items):
+                if not isinstance(stage, kind):
+                    raise ValueError(f"{key}.{name}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, "  # noqa: TRY004
+                                     f"got {type(stage).__name__}")
+        for name, stage, kind in (("order", self.order, ServingOrder), ("replay", self.replay, Replay),
+                                  ("mixing", self.mixing, Mixing)):
+            if stage is not None and not isinstance(stage, kind):
+                raise ValueError(f"{key}.{name}: expected an astratk.dataflow.stages.{kind.__name__}, got "
+                                 f"{type(stage).__name__}")
+        if self.order is None:
+            raise ValueError(f"{key}.order: required; use {{class_path: fifo}} (arrival order) or "
+                             "{class_path: edf}")
+
 
 # The resource label of workers that run score tasks (graders, code sandboxes): rollout workers by default, or
 # score-only ones (docs/cluster.md).
@@ -184,6 +254,21 @@ class WorkerClass:
     slowdown: float = 1.0
     nthreads: int | None = None  # None: cluster.threads_per_worker
 
+    def validate(self, key: str = "cluster.pools[0]") -> None:
+        """Its own fields; names unique across the pools and labels for every policy are the cluster's checks."""
+        if not self.name or self.name == "control" or "/" in self.name:
+            raise ValueError(f"{key}.name: {self.name!r} must be non-empty, unique, without '/', and not 'control' "
+                             "(the data layer's worker)")
+        if self.count < 0:
+            raise ValueError(f"{key}.count must be >= 0, got {self.count}")
+        if self.slowdown < 1.0:
+            raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower than this machine), "
+                             f"got {self.slowdown}")
+        if self.nthreads is not None and self.nthreads < 1:
+            raise ValueError(f"{key}.nthreads must be >= 1 or null (cluster.threads_per_worker), got {self.nthreads}")
+        if self.resources is not None and "control" in self.resources:
+            raise ValueError(f"{key}.resources: 'control' marks the data layer's worker; remove it")
+
 
 @dataclass
 class AutoscaleSpec:
@@ -197,6 +282,15 @@ class AutoscaleSpec:
     ewma_decay: float = 0.8  # weight of the past in the EWMAs of trainer wait and step time (ours; not published)
     cooldown_steps: int = 3  # trainer steps observed after a resize before the next decision (let the EWMAs move)
     wait_count: int = 3  # consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)
+
+    def validate(self, key: str = "cluster.autoscale") -> None:
+        if not 1 <= self.minimum <= self.maximum:
+            raise ValueError(f"{key}: need 1 <= minimum <= maximum, got {self.minimum}, {self.maximum}")
+        if not 0.0 <= self.ewma_decay < 1.0:
+            raise ValueError(f"{key}.ewma_decay must be in [0, 1), got {self.ewma_decay}")
+        _positive(key, interval_s=self.interval_s, wait_count=self.wait_count)
+        if self.cooldown_steps < 0:
+            raise ValueError(f"{key}.cooldown_steps must be >= 0, got {self.cooldown_steps}")
 
 
 @dataclass
@@ -223,6 +317,27 @@ class ClusterSpec:
     # TLS to an existing `tls://` scheduler; None: Dask's own config (DASK_DISTRIBUTED__COMM__TLS__*), if any
     tls: TLSSpec | None = None
 
+    def validate(self, key: str = "cluster") -> None:
+        """Ranges, pools and autoscale; TLS files and the labels every policy needs are in `astratk.validation`."""
+        _positive(key, rollout_workers=self.rollout_workers, threads_per_worker=self.threads_per_worker,
+                  torch_threads=self.torch_threads)
+        names: set[str] = set()
+        for i, wc in enumerate(self.pools):
+            if wc.name in names:
+                raise ValueError(f"{key}.pools[{i}].name: {wc.name!r} must be non-empty, unique, without '/', and "
+                                 "not 'control' (the data layer's worker)")
+            names.add(wc.name)
+            wc.validate(f"{key}.pools[{i}]")
+        a = self.autoscale
+        if a is not None:
+            if self.scheduler_address is not None:
+                raise ValueError(f"{key}.autoscale resizes a local cluster's pool; with {key}.scheduler_address, "
+                                 "scale your cluster's own way (dask-jobqueue/kubernetes adapt) or remove autoscale")
+            a.validate(f"{key}.autoscale")
+            pools = [wc.name for wc in self.pools] or ["rollout"]
+            if a.pool is not None and a.pool not in pools:
+                raise ValueError(f"{key}.autoscale.pool: no worker class {a.pool!r}; classes are {pools}")
+
 
 @dataclass
 class WeightsSpec:
@@ -238,6 +353,23 @@ class WeightsSpec:
     link_bandwidth_bps: float | None = None  # simulate a remote link to the store (bits/s, e.g. 4e9); None: no link
     link_latency_s: float = 0.0  # the simulated link's latency per request (e.g. 0.3)
 
+    def validate(self, key: str = "weights") -> None:
+        """Its own fields; `publish_dtype` against the engines' dtype is checked in `astratk.validation`."""
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"{key}.keep_last must be >= 1 or null (keep all), got {self.keep_last}")
+        if self.full_every < 1:
+            raise ValueError(f"{key}.full_every must be >= 1 (1: full snapshots only; AstraFlow uses 10), got "
+                             f"{self.full_every}")
+        dtypes = ("bfloat16", "float16", "float32")
+        if self.publish_dtype is not None and self.publish_dtype not in dtypes:
+            raise ValueError(f"{key}.publish_dtype must be one of {list(dtypes)} or null (the trainer's dtype), got "
+                             f"{self.publish_dtype!r}")
+        if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
+            raise ValueError(f"{key}.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null (no simulated "
+                             f"link), got {self.link_bandwidth_bps}")
+        if self.link_latency_s < 0:
+            raise ValueError(f"{key}.link_latency_s must be >= 0 seconds, got {self.link_latency_s}")
+
 
 @dataclass
 class EvalSpec:
@@ -246,6 +378,12 @@ class EvalSpec:
     timeout_s: float = 300.0
     every_versions: int | None = None  # also evaluate whenever the policy has published this many versions more
     pass_k: int = 0  # > 0: also report pass@k (k samples per task at the rollout temperature)
+
+    def validate(self, key: str = "eval") -> None:
+        _positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks)
+        if self.pass_k < 0 or (self.every_versions is not None and self.every_versions < 1):
+            raise ValueError(f"{key}: pass_k must be >= 0 (0 = off) and every_versions >= 1 or null, got "
+                             f"{self.pass_k}, {self.every_versions}")
 
 
 @dataclass
@@ -266,41 +404,12 @@ class RunSpec:
     resume_from: str | None = None
 
     def validate(self) -> RunSpec:
-        """Build every plug-in once and check ranges; raise ValueError naming the key and the fix."""
-        env = self.env
-        if not isinstance(env, Env):
-            raise ValueError(f"env: expected an astratk.contracts.Env, got {type(env).__name__}")  # noqa: TRY004 - config errors are ValueErrors
-        if not self.policies:
-            raise ValueError("policies: at least one policy is required")
-        seen: dict[str, str] = {}  # env role -> the policy that plays it
-        for i, p in enumerate(self.policies):
-            _validate_policy(p, f"policies[{i}]", env, seen)
-        missing = [r for r in env.roles if r not in seen]
-        if missing:
-            raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them to a "
-                             "policy's roles")
-        r = self.rollout
-        _check_engine(r.engine)
-        _positive("rollout", group_size=r.group_size, max_new_tokens=r.max_new_tokens,
-                  tasks_per_chunk=r.tasks_per_chunk, max_inflight_chunks=r.max_inflight_chunks, max_batch=r.max_batch)
-        if r.temperature <= 0:
-            raise ValueError(f"rollout.temperature: training rollouts sample, so it must be > 0 (got "
-                             f"{r.temperature}); greedy decoding is for evaluation")
-        _validate_dataflow(self.dataflow, env)
-        _validate_cluster(self.cluster, [p.policy_id for p in self.policies])
-        if self.dataflow.synchronous:
-            _validate_synchronous(self)
-        _positive("eval", interval_s=self.eval.interval_s, max_tasks=self.eval.max_tasks)
-        if self.eval.pass_k < 0 or (self.eval.every_versions is not None and self.eval.every_versions < 1):
-            raise ValueError(f"eval: pass_k must be >= 0 (0 = off) and every_versions >= 1 or null, got "
-                             f"{self.eval.pass_k}, {self.eval.every_versions}")
-        _validate_weights(self.weights)
-        engine_dtype = self.rollout.engine_args.get("dtype", "float32")
-        if self.weights.publish_dtype is not None and self.weights.publish_dtype != engine_dtype:
-            raise ValueError(f"weights.publish_dtype is {self.weights.publish_dtype!r} but the engines run "
-                             f"{engine_dtype!r} (rollout.engine_args.dtype): every sync would fetch a delta the engine "
-                             "refuses and then the full state; publish in the engines' dtype")
-        return self
+        """Check every field and the rules between them; raise ValueError naming the key and the fix. Returns the
+        spec (`RunSpec(...).validate()` chains). The checks live in `astratk.validation`, which asks the modules that
+        own the names (loggers, engines, advantages, TLS); importing it here keeps this module a torch-free leaf."""
+        from astratk.validation import validate
+
+        return validate(self)
 
     def policy(self, policy_id: str) -> PolicySpec:
         for p in self.policies:
@@ -313,153 +422,6 @@ class RunSpec:
         return {role: p.policy_id for p in self.policies for role in p.roles}
 
 
-def _validate_policy(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:
-    """One policy's checks; records the roles it plays in `seen` (a role may be played by one policy only)."""
-    from astratk.training.aggregation import AGGREGATIONS
-    from astratk.training.loggers import check_loggers
-
-    p.model.validate(f"{key}.model")
-    if not isinstance(p.loss, PolicyLoss):
-        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
-            f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(p.loss).__name__}")
-    for role in p.roles:
-        if role not in env.roles:
-            raise ValueError(f"{key}.roles: env {env.name!r} has no role {role!r}; its roles are {list(env.roles)}")
-        if role in seen:
-            raise ValueError(f"{key}.roles: role {role!r} is already played by policy {seen[role]!r}")
-        seen[role] = p.policy_id
-    for j, corr in enumerate(p.corrections):
-        if not isinstance(corr, TokenCorrection):
-            raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "  # noqa: TRY004
-                             f"{type(corr).__name__}")
-    t = p.trainer
-    _positive(f"{key}.trainer", max_steps=t.max_steps, groups_per_step=t.groups_per_step, lr=t.lr,
-              publish_every=t.publish_every)
-    if t.kl_coef < 0 or t.entropy_coef < 0:
-        raise ValueError(f"{key}.trainer: kl_coef and entropy_coef must be >= 0 (0 = off), got "
-                         f"{t.kl_coef}, {t.entropy_coef}")
-    if t.max_staleness is not None and t.max_staleness < 0:
-        raise ValueError(f"{key}.trainer.max_staleness must be >= 0 or null (dataflow.max_staleness), got "
-                         f"{t.max_staleness}")
-    if t.checkpoint_every is not None and t.checkpoint_every < 1:
-        raise ValueError(f"{key}.trainer.checkpoint_every must be >= 1 step or null (no checkpoints), got "
-                         f"{t.checkpoint_every}")
-    if t.micro_batch_tokens is not None and t.micro_batch_tokens < 1:
-        raise ValueError(f"{key}.trainer.micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or null "
-                         f"(the whole step's batch in one forward), got {t.micro_batch_tokens}")
-    if t.kl_estimator not in ("k1", "k3"):
-        raise ValueError(f"{key}.trainer.kl_estimator: unknown {t.kl_estimator!r}; choose 'k1' or 'k3'")
-    if t.aggregation not in AGGREGATIONS:
-        raise ValueError(f"{key}.trainer.aggregation: unknown {t.aggregation!r}; choose one of "
-                         f"{sorted(AGGREGATIONS)}")
-    check_loggers(t.loggers, f"{key}.trainer.loggers")
-
-
-def _validate_dataflow(d: DataflowSpec, env: Env) -> None:
-    from astratk.dataflow.advantages import get_advantage
-
-    if d.max_staleness < 0:
-        raise ValueError(f"dataflow.max_staleness must be >= 0, got {d.max_staleness}")
-    _positive("dataflow", lease_timeout_s=d.lease_timeout_s, prefetch_steps=d.prefetch_steps,
-              max_task_attempts=d.max_task_attempts, max_curator_skips=d.max_curator_skips)
-    try:
-        get_advantage(d.advantage)
-    except ValueError as e:
-        raise ValueError(f"dataflow.advantage: {e}") from None
-    if d.version_barrier is not None and d.version_barrier < 0:
-        raise ValueError(f"dataflow.version_barrier must be >= 0 (0 = lock-step) or null (off), got "
-                         f"{d.version_barrier}")
-    sn = d.snapshot
-    if sn.every_steps is not None and sn.every_steps < 1:
-        raise ValueError(f"dataflow.snapshot.every_steps must be >= 1 or null (no periodic snapshots), got "
-                         f"{sn.every_steps}")
-    if sn.keep_last < 1:
-        raise ValueError(f"dataflow.snapshot.keep_last must be >= 1, got {sn.keep_last}")
-    if not 0.0 < d.lag_decay <= 1.0:
-        raise ValueError(f"dataflow.lag_decay must be in (0, 1] (1 = no decay), got {d.lag_decay}")
-    for key, items, kind in (("curators", d.curators, Curator), ("filters", d.filters, GroupFilter)):
-        for i, stage in enumerate(items):
-            if not isinstance(stage, kind):
-                raise ValueError(f"dataflow.{key}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, got "  # noqa: TRY004
-                                 f"{type(stage).__name__}")
-    for key, stage, kind in (("order", d.order, ServingOrder), ("replay", d.replay, Replay),
-                             ("mixing", d.mixing, Mixing)):
-        if stage is not None and not isinstance(stage, kind):
-            raise ValueError(f"dataflow.{key}: expected an astratk.dataflow.stages.{kind.__name__}, got "
-                             f"{type(stage).__name__}")
-    if d.order is None:
-        raise ValueError("dataflow.order: required; use {class_path: fifo} (arrival order) or {class_path: edf}")
-    if d.mixing is not None:
-        sources = list(getattr(env, "source_names", (env.name,)))  # a MixtureEnv names its sources
-        unknown = sorted(set(d.mixing.ratios) - set(sources))
-        missing = [s for s in sources if s not in d.mixing.ratios]
-        if unknown or missing:
-            raise ValueError(f"dataflow.mixing.ratios: env {env.name!r} produces tasks of {sources}; ratios name "
-                             f"{sorted(d.mixing.ratios)} (unknown {unknown}, missing {missing}); give one ratio per "
-                             "source (mix several envs with env: {class_path: mixture})")
-
-
-def _validate_synchronous(spec: RunSpec) -> None:
-    """What `dataflow.synchronous: true` needs besides itself (max_staleness is then 0 whatever it says)."""
-    c = spec.cluster
-    workers = sum(wc.count for wc in c.pools) if c.pools else c.rollout_workers
-    if workers != 1 or c.autoscale is not None:
-        raise ValueError(f"dataflow.synchronous runs one rollout worker (got {workers} in cluster.rollout_workers/"
-                         f"pools{', and cluster.autoscale' if c.autoscale else ''}); set cluster.rollout_workers: 1 "
-                         "and remove pools/autoscale, or turn synchronous off")
-    for i, p in enumerate(spec.policies):
-        if p.trainer.publish_every != 1:
-            raise ValueError(f"policies[{i}].trainer.publish_every is {p.trainer.publish_every}; dataflow.synchronous "
-                             "trains step k on version k's rollouts, so it must be 1")
-
-
-def _validate_cluster(c: ClusterSpec, policies: list[str]) -> None:
-    _positive("cluster", rollout_workers=c.rollout_workers, threads_per_worker=c.threads_per_worker,
-              torch_threads=c.torch_threads)
-    if c.tls is not None or (c.scheduler_address or "").startswith("tls://"):
-        from astratk.runtime.cluster import check_tls  # the one TLS check; connect() runs it too
-
-        check_tls(c)
-    names: set[str] = set()
-    for i, wc in enumerate(c.pools):
-        key = f"cluster.pools[{i}]"
-        if not wc.name or wc.name == "control" or "/" in wc.name or wc.name in names:
-            raise ValueError(f"{key}.name: {wc.name!r} must be non-empty, unique, without '/', and not 'control' "
-                             "(the data layer's worker)")
-        names.add(wc.name)
-        if wc.count < 0:
-            raise ValueError(f"{key}.count must be >= 0, got {wc.count}")
-        if wc.slowdown < 1.0:
-            raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower than this machine), "
-                             f"got {wc.slowdown}")
-        if wc.nthreads is not None and wc.nthreads < 1:
-            raise ValueError(f"{key}.nthreads must be >= 1 or null (cluster.threads_per_worker), got {wc.nthreads}")
-        if wc.resources is not None and "control" in wc.resources:
-            raise ValueError(f"{key}.resources: 'control' marks the data layer's worker; remove it")
-    if c.pools and c.scheduler_address is None:
-        labels = [f"rollout_{p}" for p in policies] + [SCORE_LABEL]
-        missing = [r for r in labels if not any(wc.count > 0 and (wc.resources is None or wc.resources.get(r, 0) > 0)
-                                                for wc in c.pools)]
-        if missing:
-            raise ValueError(f"cluster.pools: no worker carries {missing}; give a class resources: null (every rollout "
-                             f"label) or add them, e.g. resources: {{{', '.join(f'{r}: 1' for r in labels)}}}")
-    a = c.autoscale
-    if a is not None:
-        if c.scheduler_address is not None:
-            raise ValueError("cluster.autoscale resizes a local cluster's pool; with cluster.scheduler_address, scale "
-                             "your cluster's own way (dask-jobqueue/kubernetes adapt) or remove autoscale")
-        if not 1 <= a.minimum <= a.maximum:
-            raise ValueError(f"cluster.autoscale: need 1 <= minimum <= maximum, got {a.minimum}, {a.maximum}")
-        if not 0.0 <= a.ewma_decay < 1.0:
-            raise ValueError(f"cluster.autoscale.ewma_decay must be in [0, 1), got {a.ewma_decay}")
-        _positive("cluster.autoscale", interval_s=a.interval_s, wait_count=a.wait_count)
-        if a.cooldown_steps < 0:
-            raise ValueError(f"cluster.autoscale.cooldown_steps must be >= 0, got {a.cooldown_steps}")
-        pools = [wc.name for wc in c.pools] or ["rollout"]
-        if a.pool is not None and a.pool not in pools:
-            raise ValueError(f"cluster.autoscale.pool: no worker class {a.pool!r}; classes are {pools}")
-
-
 def _default(kind: str, name: str):
     from astratk.registry import resolve
 
@@ -470,20 +432,3 @@ def _positive(key: str, **values: float) -> None:
     for name, v in values.items():
         if not v > 0:
             raise ValueError(f"{key}.{name} must be > 0, got {v}")
-
-
-def _validate_weights(w: WeightsSpec) -> None:
-    if w.keep_last is not None and w.keep_last < 1:
-        raise ValueError(f"weights.keep_last must be >= 1 or null (keep all), got {w.keep_last}")
-    if w.full_every < 1:
-        raise ValueError(f"weights.full_every must be >= 1 (1: full snapshots only; AstraFlow uses 10), got "
-                         f"{w.full_every}")
-    dtypes = ("bfloat16", "float16", "float32")
-    if w.publish_dtype is not None and w.publish_dtype not in dtypes:
-        raise ValueError(f"weights.publish_dtype must be one of {list(dtypes)} or null (the trainer's dtype), got "
-                         f"{w.publish_dtype!r}")
-    if w.link_bandwidth_bps is not None and not w.link_bandwidth_bps > 0:
-        raise ValueError(f"weights.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null (no simulated link), "
-                         f"got {w.link_bandwidth_bps}")
-    if w.link_latency_s < 0:
-        raise ValueError(f"weights.link_latency_s must be >= 0 seconds, got {w.link_latency_s}")
