@@ -2,11 +2,23 @@
 
 A config may name a plug-in by short name (`drpo`) or by any dotted path (`mypkg.losses.MyLoss`). Adding a built-in
 is one line here; user code never needs to register anything, it just uses its dotted path.
+
+A fixed set of modes that is not a plug-in (an aggregation, a KL estimator, a logger kind with its install hint) is
+checked with `check_choice`, so every unknown name, plug-in or not, fails the same way: with the sorted choices.
+
+Example:
+    >>> resolve_path("loss", "drpo")
+    'astratk.losses.drpo.DRPO'
+    >>> check_choice("KL estimator", "k2", ("k1", "k3"))
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown KL estimator 'k2'; choose one of ['k1', 'k3']
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import Any
 
 REGISTRY: dict[str, dict[str, str]] = {
@@ -62,19 +74,31 @@ REGISTRY: dict[str, dict[str, str]] = {
         "scripted": "astratk.engines.scripted.ScriptedEngine",
         "vllm": "astratk.engines.vllm_engine.VLLMEngine",
     },
+    "advantage": {  # group advantages (astratk.dataflow.advantages): functions rewards -> advantages
+        "dr_grpo": "astratk.dataflow.advantages.dr_grpo",
+        "grpo": "astratk.dataflow.advantages.grpo",
+        "rloo": "astratk.dataflow.advantages.rloo",
+    },
 }
+
+
+def check_choice(what: str, name: str, choices: Iterable[str], hint: str = "", *, where: str = "") -> str:
+    """`name` when it is one of `choices`, else a ValueError "<where>: unknown <what> <name>; choose one of <sorted
+    choices>" followed by `hint` (e.g. " (k3 is the default)"); `where` names the source (a config key), if any."""
+    options = sorted(choices)
+    if name not in options:
+        raise ValueError(f"{where + ': ' if where else ''}unknown {what} {name!r}; choose one of {options}{hint}")
+    return name
 
 
 def resolve_path(kind: str, name: str) -> str:
     """Short name -> dotted path; a dotted path passes through; anything else raises with the choices."""
-    table = REGISTRY.get(kind)
-    if table is None:
-        raise ValueError(f"unknown plug-in kind {kind!r}; choose one of {sorted(REGISTRY)}")
+    table = REGISTRY[check_choice("plug-in kind", kind, REGISTRY)]
     if name in table:
         return table[name]
     if "." in name:
         return name
-    raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)} or give a dotted path 'pkg.module.Class'")
+    return check_choice(kind, name, table, " or give a dotted path 'pkg.module.Name'")  # not in it: raises
 
 
 def import_object(path: str) -> Any:

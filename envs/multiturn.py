@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astratk.contracts import Completion, Engine, GenerationRequest, SamplingParams
-from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.models.chat import encode_chat, stop_token_ids
 from astratk.records import Task, Trajectory
 
 # ------------------------------------------------------------------------------------------------------- budgets

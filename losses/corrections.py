@@ -29,6 +29,7 @@ import torch
 
 from astratk.contracts import CorrectionOutput, LossInputs, TokenCorrection
 from astratk.losses._common import LOG_RATIO_CLAMP, masked_max, masked_mean, sanitize
+from astratk.registry import check_choice
 
 LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 
@@ -56,9 +57,7 @@ def proximal_log_ratio(inputs: LossInputs, level: str, who: str) -> tuple[torch.
 
 
 def _check_level(level: str, who: str) -> str:
-    if level not in LEVELS:
-        raise ValueError(f"{who}: unknown level {level!r}; choose one of {list(LEVELS)}")
-    return level
+    return check_choice("level", level, LEVELS, where=who)
 
 
 def _unit_mean(x: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:

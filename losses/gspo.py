@@ -24,6 +24,7 @@ import torch
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 from astratk.losses._common import clip_metrics, masked_max, masked_mean, masked_min, ratio_metrics, tokens
+from astratk.registry import check_choice
 
 VARIANTS = ("sequence", "token")
 
@@ -52,8 +53,7 @@ class GSPO(PolicyLoss):
         if not eps_high > 0:
             raise ValueError(f"eps_high must be > 0 (s is clipped above at 1 + eps_high); got {eps_high}. "
                              "GSPO uses 4e-4")
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown GSPO variant {variant!r}; choose one of {list(VARIANTS)}")
+        check_choice("GSPO variant", variant, VARIANTS)
         self.eps_low, self.eps_high, self.variant = float(eps_low), float(eps_high), variant
 
     def __repr__(self) -> str:

@@ -12,7 +12,9 @@ Adding an engine:
    documenting when a new version takes effect (between batches, between decode
    steps...) and what happens to KV computed under old weights;
 2. merge concurrent `generate` calls into batches inside the engine: many small agent steps arrive at once;
-3. take the model directory as the first constructor argument (`build_engine` calls `cls(model_path, **kw)`);
+3. take the model directory as the first constructor argument (`build_engine` calls `cls(model_path, **kw)`), and
+   `max_batch` (`rollout.max_batch`) if the engine bounds its batches; every `rollout.engine_args` key must be a
+   parameter (or the constructor takes `**kwargs`), else building it fails naming the parameters it takes;
 4. add a line to `astratk.registry.REGISTRY["engine"]`, or let configs use its dotted path;
 5. test it like tests/unit/test_torch_engine.py: its log-probs must equal `astratk.training.logprobs.token_logprobs`
    on the same weights.
@@ -20,6 +22,8 @@ Adding an engine:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from astratk.engines.scripted import ScriptedEngine
@@ -30,9 +34,29 @@ from astratk.registry import resolve
 __all__ = ["ScriptedEngine", "TorchEngine", "VLLMEngine", "build_engine"]
 
 
-def build_engine(name: str, model_path: Any, **kw: Any) -> Any:
-    """Engine `name` (short name or dotted path) for the model at `model_path`: `cls(model_path, **kw)`.
+def build_engine(name: str, model_path: Any, *, run_settings: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+    """Engine `name` (short name or dotted path) for the model at `model_path`: `cls(model_path, **settings, **kw)`.
 
-    `ScriptedEngine` takes a tokenizer (or None) in that slot: `build_engine("scripted", None, script=[[1, 2]])`.
+    `kw` are the engine's own arguments (`rollout.engine_args`): each must be a keyword parameter of the constructor
+    (or it takes `**kwargs`), else a TypeError names the engine and the parameters it takes. `run_settings` are the
+    run-wide ones every engine may honour (`{"max_batch": rollout.max_batch}`): passed only to constructors that take
+    them, so a test double, or a user's engine that batches its own way, needs no parameter it would ignore; `kw`
+    overrides them. `ScriptedEngine` takes a model directory (its tokenizer is loaded), a tokenizer or None in the
+    first slot: `build_engine("scripted", None, script=[[1, 2]])`.
     """
-    return resolve("engine", name)(model_path, **kw)
+    cls = resolve("engine", name)
+    accepted = _keyword_parameters(cls)  # None: it takes **kwargs
+    if accepted is not None and (unknown := sorted(set(kw) - accepted)):
+        raise TypeError(f"engine {name!r} ({cls.__module__}.{cls.__qualname__}) takes no argument {unknown} "
+                        f"(rollout.engine_args); its constructor takes {sorted(accepted)}. Drop them from "
+                        "rollout.engine_args, or add them to the engine's constructor")
+    settings = {k: v for k, v in (run_settings or {}).items() if accepted is None or k in accepted}
+    return cls(model_path, **{**settings, **kw})
+
+
+def _keyword_parameters(cls: Any) -> set[str] | None:
+    """The names `cls(model_path, name=...)` accepts, or None when its constructor takes `**kwargs`."""
+    params = list(inspect.signature(cls).parameters.values())[1:]  # the first slot is the model directory
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

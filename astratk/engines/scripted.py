@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -21,6 +22,10 @@ Script = Callable[[tuple[int, ...], SamplingParams], Sequence[int]] | Sequence[S
 
 class ScriptedEngine:
     """Completions from a script: `script(prompt_ids, params) -> token ids`, or a list of token lists used in turn.
+
+    The first argument is the engine's tokenizer (envs encode prompts with `engine.tokenizer`), None, or a model
+    directory whose tokenizer is loaded (None if it has none): a run built from a spec with `rollout.engine: scripted`
+    passes the policy's model directory there, as to every engine, and `rollout.engine_args` give the script.
 
     A completion is cut after its first stop token, then to `max_tokens`; `finish_reason` is "stop" when its last
     token is one of the request's stop tokens, else "length". Every token gets log-prob `logprob` and the engine's
@@ -36,6 +41,8 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: Any = None, script: Script = ((0,),), *, logprob: float = math.log(0.5),
                  version: int = 0) -> None:
+        if isinstance(tokenizer, str | os.PathLike):
+            tokenizer = _tokenizer_of(os.fspath(tokenizer))
         if callable(script):
             self._script = script
         else:
@@ -92,3 +99,17 @@ class ScriptedEngine:
         n = len(tokens)
         return Completion(tuple(tokens), (self._logprob,) * n, (self._version,) * n,
                           "stop" if tokens[-1] in stops else "length")
+
+
+def _tokenizer_of(model_dir: str) -> Any:
+    """The tokenizer saved in `model_dir`, or None when it holds none (as `TorchEngine` loads it)."""
+    from astratk.engines.torch_engine import _TOKENIZER_FILES
+
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"ScriptedEngine: {model_dir!r} is not a model directory; give the engine a model "
+                                "directory (its tokenizer is loaded), a tokenizer object, or None")
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

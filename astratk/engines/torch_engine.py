@@ -48,7 +48,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from astratk.contracts import Completion, GenerationRequest, expand_samples
 from astratk.models.loading import load_causal_lm
-from astratk.training.logprobs import logprobs_from_logits
+from astratk.models.logprobs import logprobs_from_logits
 from astratk.weights.delta import SparseDelta, apply_delta
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

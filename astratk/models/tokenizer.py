@@ -32,7 +32,7 @@ EOS = "<|endoftext|>"  # end of text; also the padding token
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end of turn: where a completion stops
 # Never produced (every byte has a token); named so that classes defaulting unk to <|endoftext|> (Qwen2Tokenizer)
-# do not alias it with eos, which `envs.chat.stop_token_ids` would then drop.
+# do not alias it with eos, which `astratk.models.chat.stop_token_ids` would then drop.
 UNK = "<|unk|>"
 SPECIALS = (EOS, IM_START, IM_END, UNK)  # ids 0..3; byte b has id 4 + b
 # Qwen2's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2): without merges it changes nothing, it

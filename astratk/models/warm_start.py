@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from astratk.contracts import Env
-from astratk.envs.chat import encode_chat, stop_token_ids
+from astratk.models.chat import encode_chat, stop_token_ids
 from astratk.records import Task
 from astratk.spec import TinyModelSpec
 

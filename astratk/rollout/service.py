@@ -26,8 +26,8 @@ import torch
 
 from astratk.contracts import Engine, Env, SamplingParams
 from astratk.dataflow.datalayer import Lease
+from astratk.engines import build_engine
 from astratk.records import Group, Task, Trajectory
-from astratk.registry import resolve
 from astratk.rollout.lockstep import Lockstep
 from astratk.spec import RunSpec
 from astratk.weights.delta import SparseDelta
@@ -137,9 +137,9 @@ class RolloutService:
                 with contextlib.suppress(Exception):
                     self._engines.pop(key).close()
             if key not in self._engines:
-                cls = resolve("engine", self.spec.rollout.engine)
-                self._engines[key] = cls(self.ctx.model_paths[policy_id],
-                                         **{"max_batch": self.spec.rollout.max_batch, **self.spec.rollout.engine_args})
+                r = self.spec.rollout
+                self._engines[key] = build_engine(r.engine, self.ctx.model_paths[policy_id],
+                                                  run_settings={"max_batch": r.max_batch}, **r.engine_args)
             return self._engines[key]
 
     def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:

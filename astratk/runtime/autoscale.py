@@ -5,12 +5,14 @@
     f < 0.05  ->  G' = min(G, ceil(G * consumed / produced * 1.10))  the trainer keeps up: shed surplus producers
     otherwise ->  G' = G
 
-G is the rollout pool's size; consumed / produced are groups the trainer took vs groups admitted over the window since
-the last decision. Step time is a whole trainer step on the wall clock (the wait included), so f is the fraction of
-training time spent waiting. Our choices where the paper is silent: EWMA decay 0.8 (`AutoscaleSpec.ewma_decay`); no
-decision until `cooldown_steps` trainer steps have been observed since the last resize (workers take seconds to start
-and the EWMAs need steps to see them; without it the rule would compound the same starvation every interval); no
-scale-down without production in the window.
+G is the rollout pool's size; consumed / produced are fresh groups the trainer took vs groups admitted over the window
+since the last decision. Replayed groups (the replay stage) are not counted as consumed: no producer made them for
+this batch, and with replay ratio r counting them would inflate the scale-down target by 1 / (1 - r). Step time is a
+whole trainer step on the wall clock (the wait included), so f is the fraction of training time spent waiting. Our
+choices where the paper is silent: EWMA decay 0.8 (`AutoscaleSpec.ewma_decay`); no decision until `cooldown_steps`
+trainer steps have been observed since the last resize (workers take seconds to start and the EWMAs need steps to see
+them; without it the rule would compound the same starvation every interval); no scale-down without production in
+the window.
 
 Three pieces: `decide` is the pure rule; `WaitFractionMonitor` keeps the EWMAs (fed by the trainer, read by the
 scaler, thread-safe); `WaitFractionAdaptive` is a `distributed.deploy.Adaptive` whose target is the rule's, applied to
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from distributed.deploy import Adaptive
@@ -72,8 +75,9 @@ def decide(pool_size: int, *, wait_fraction: float, consumed: float, produced: f
 
 
 class WaitFractionMonitor:
-    """The EWMAs the rule reads. The trainer calls `observe_step` after every step (and `observe_counts` with the
-    data layer's cumulative consumed/produced groups); the scaler calls `decision(G)`.
+    """The EWMAs the rule reads. The trainer calls `observe_step` after every step (and `observe_datalayer` with the
+    data layer's metrics, or `observe_counts` with cumulative consumed/produced groups); the scaler calls
+    `decision(G)`.
 
     Example:
         >>> m = WaitFractionMonitor(AutoscaleSpec(cooldown_steps=1))
@@ -108,6 +112,13 @@ class WaitFractionMonitor:
     def observe_counts(self, consumed: float, produced: float) -> None:
         with self._lock:
             self._consumed, self._produced = float(consumed), float(produced)
+
+    def observe_datalayer(self, metrics: Mapping[str, float], policy_id: str) -> None:
+        """`observe_counts` from the data layer's cumulative counters for `policy_id`: consumed = fresh groups served
+        (`groups_served` counts replayed ones too, so `groups_replayed` is taken off), produced = `groups_admitted`."""
+        k = f"data/{policy_id}/"
+        fresh = metrics.get(k + "groups_served", 0.0) - metrics.get(k + "groups_replayed", 0.0)
+        self.observe_counts(consumed=fresh, produced=metrics.get(k + "groups_admitted", 0.0))
 
     @property
     def fraction(self) -> float:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from astratk.registry import check_choice
+
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 Count = int | float | torch.Tensor
@@ -32,8 +34,7 @@ Count = int | float | torch.Tensor
 
 def check_aggregation(mode: str, horizon: int | None = None) -> None:
     """Validate a mode (and its horizon) at construction time, with the choices in the error."""
-    if mode not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {mode!r}; choose one of {list(AGGREGATIONS)}")
+    check_choice("aggregation", mode, AGGREGATIONS)
     if mode == "seq-mean-token-sum-norm" and (horizon is None or not horizon > 0):
         raise ValueError(f"aggregation 'seq-mean-token-sum-norm' needs horizon = the maximum completion length H "
                          f"(Dr.GRPO's constant normaliser, > 0); got horizon={horizon}. Set it to sampling max_tokens")

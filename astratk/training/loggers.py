@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from astratk.registry import check_choice
+
 DEFAULT = "astratk"  # W&B project and MLflow experiment when the environment names none
 
 
@@ -101,8 +103,7 @@ def check_loggers(names: Sequence[str], key: str = "trainer.loggers") -> list[st
         raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
             f"{key}: expected a list of logger names, e.g. [{names!r}]; got the string {names!r}")
     for i, name in enumerate(names):
-        if name not in LOGGERS:
-            raise ValueError(f"{key}[{i}]: unknown logger {name!r}; choose from {sorted(LOGGERS)}")
+        check_choice("logger", name, LOGGERS, where=f"{key}[{i}]")
         if name in names[:i]:
             raise ValueError(f"{key}[{i}]: {name!r} is listed twice")
         kind = LOGGERS[name]

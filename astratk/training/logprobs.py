@@ -1,9 +1,9 @@
-"""Per-token log-probs: the trainer's recomputation of log π, and the one formula the engines share with it.
+"""Per-token log-probs: the trainer's recomputation of log π, with the formula the engines use.
 
-ALGORITHMS §1: μ is the distribution the engine actually sampled, so log π must come from logits / T with the
-rollout's T (T = 0, greedy, is scored with the untempered softmax). `TorchEngine` calls `logprobs_from_logits` on
-each decode step's logits, so on the same weights both sides run the same arithmetic and agree to fp32 rounding
-(tests/unit/test_torch_engine.py checks 1e-5).
+ALGORITHMS §1: log π must come from logits / T with the rollout's T, as the engine sampled. Both sides call
+`astratk.models.logprobs.logprobs_from_logits` (the engine per decode step, `token_logprobs` here per sequence), so
+on the same weights they run the same arithmetic and agree to fp32 rounding (tests/unit/test_torch_engine.py checks
+1e-5).
 
 Alignment (`TrainBatch`): position t predicts `input_ids[:, t + 1]`, so the result is [B, L - 1].
 
@@ -17,26 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                         temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """log softmax(logits / T)[targets], in fp32.
-
-    logits: [..., V]; targets: [...] int64; temperature: a float, or a tensor broadcastable to `targets` ([B] for
-    the engine's [B] targets, [B, 1] for per-row temperatures over [B, T] targets). Temperatures of 0 (greedy) count
-    as 1.
-
-    Why logsumexp minus the gathered logit rather than `log_softmax(...).gather(...)`: it never materialises a second
-    [..., V] tensor of log-probs, and autograd keeps only the (scaled) logits for the backward pass.
-    """
-    logits = logits.float()  # [..., V]
-    if isinstance(temperature, torch.Tensor):
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(logits)
-        logits = logits / t.unsqueeze(-1)
-    elif temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]
-    return picked - torch.logsumexp(logits, dim=-1)
+from astratk.models.logprobs import logprobs_from_logits
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

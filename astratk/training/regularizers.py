@@ -10,14 +10,13 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from astratk.registry import check_choice
+
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
 
 
 def check_kl_estimator(estimator: str) -> str:
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)} (k3 is the "
-                         "non-negative, low-variance default)")
-    return estimator
+    return check_choice("KL estimator", estimator, KL_ESTIMATORS, " (k3 is the non-negative, low-variance default)")
 
 
 def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

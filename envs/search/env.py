@@ -58,6 +58,7 @@ from astratk.envs.search.corpus import Corpus, Passage, SyntheticCorpus
 from astratk.envs.search.index import BM25Index
 from astratk.envs.search.jsonl import JsonlCorpus
 from astratk.records import Task, Trajectory
+from astratk.registry import check_choice
 
 INSTRUCTIONS = ("Answer the question. To look something up, write <search>query</search>; the results come back in "
                 "<information>...</information>. Search as often as you need, then write <answer>the answer</answer>.")
@@ -156,8 +157,7 @@ class SearchEnv(Env):
                 f"corpus must be a SyntheticCorpus or a JsonlCorpus, got {type(corpus).__name__}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if reward not in REWARDS:
-            raise ValueError(f"unknown reward {reward!r}; choose one of {sorted(REWARDS)}")
+        check_choice("reward", reward, REWARDS)
         if not env_role:
             raise ValueError("env_role must name a chat role, e.g. 'user' or 'tool'")
         self.corpus = corpus

@@ -28,3 +28,12 @@ def test_rloo_leave_one_out():
 def test_unknown_advantage_lists_choices():
     with pytest.raises(ValueError, match=r"choose one of \['dr_grpo', 'grpo', 'rloo'\]"):
         get_advantage("ppo")
+
+
+def test_an_advantage_by_dotted_path_and_a_non_function_refused():
+    """Advantages are registry plug-ins: a short name or the dotted path of any function rewards -> advantages."""
+    assert get_advantage("astratk.dataflow.advantages.rloo") is rloo
+    with pytest.raises(ValueError, match="is a dict, not a function"):
+        get_advantage("astratk.registry.REGISTRY")
+    with pytest.raises(ValueError, match="cannot import module 'nopkg'"):
+        get_advantage("nopkg.centred")

@@ -28,7 +28,7 @@ from astratk.spec import AutoscaleSpec, ClusterSpec, RunSpec, WorkerClass
     (4, 0.00, 5, 10, 3),     # 4 * 0.5 * 1.1 = 2.2 -> 3
     (8, 0.01, 1, 4, 3),      # 8 * 0.25 * 1.1 = 2.2 -> 3
     (10, 0.0, 10, 10, 10),   # balanced: 11 -> min(10, 11) = 10, never above G when scaling down
-    (4, 0.0, 10, 5, 4),      # consumed > produced (replay): min(G, 8.8) = G
+    (4, 0.0, 10, 5, 4),      # consumed > produced (a buffer built earlier drains): min(G, 8.8) = G
     (4, 0.0, 0, 10, 1),      # nothing consumed: at least one worker stays
     (4, 0.0, 5, 0, 4),       # nothing produced in the window: no information, hold
 ])
@@ -68,6 +68,42 @@ def test_monitor_scales_down_on_the_window_not_the_totals():
     assert m.decision(4) == 4  # balanced window: min(4, ceil(4.4)) = 4
     m.observe_counts(consumed=110, produced=140)  # this window: 10 consumed of 40 produced
     assert m.decision(4) == 2  # ceil(4 * 0.25 * 1.1) = ceil(1.1) = 2
+
+
+def test_consumed_counts_fresh_groups_only_with_replay():
+    """With replay, a served batch holds groups no producer made for it: counting them as consumed would inflate the
+    scale-down target by 1 / (1 - ratio). A real data layer with replay ratio 0.5 serves 2 batches of 2 (the first
+    all fresh, the second 1 replayed + 1 fresh) out of 8 admitted: 4 served, 1 replayed, so 3 fresh consumed."""
+    from astratk.dataflow.stages import Replay
+    from tests.unit.test_datalayer import admit_all, make
+
+    dl = make(replay=Replay(ratio=0.5), prefetch_steps=4)
+    admit_all(dl, dl.lease(8))
+    assert dl.next_batch("main", 0) is not None and dl.next_batch("main", 1) is not None
+    m = dl.metrics()
+    assert (m["data/main/groups_served"], m["data/main/groups_replayed"], m["data/main/groups_admitted"]) == (4, 1, 8)
+    monitor = WaitFractionMonitor(AutoscaleSpec(ewma_decay=0.0, cooldown_steps=0))
+    monitor.observe_step(0.0, 1.0)  # f = 0: the trainer keeps up
+    monitor.observe_datalayer(m, "main")
+    # ceil(4 * 3 / 8 * 1.1) = ceil(1.65) = 2; served-based it would be ceil(4 * 4 / 8 * 1.1) = ceil(2.2) = 3
+    assert monitor.decision(4) == 2
+    assert (monitor.history[-1]["consumed"], monitor.history[-1]["produced"]) == (3.0, 8.0)
+
+
+def test_the_session_feeds_the_monitor_fresh_counts():
+    """The trainer's per-step feed reads the data layer's metrics and hands the monitor fresh groups, not served."""
+    from types import SimpleNamespace
+
+    from astratk.runtime.session import Session
+
+    metrics = {"data/main/groups_served": 20.0, "data/main/groups_replayed": 10.0, "data/main/groups_admitted": 40.0}
+    monitor = WaitFractionMonitor(AutoscaleSpec(ewma_decay=0.0, cooldown_steps=0))
+    fake = SimpleNamespace(autoscale=monitor, cluster=SimpleNamespace(pool=lambda: ["rollout-0"]),
+                           deployment=SimpleNamespace(datalayer=SimpleNamespace(call=lambda name: metrics)))
+    feed = Session._autoscale_feed(fake, "main", SimpleNamespace(last_wait_s=0.0))
+    assert feed()["autoscale/main/rollout_workers"] == 1.0
+    assert monitor.decision(4) == 2  # ceil(4 * (20 - 10) / 40 * 1.1) = ceil(1.1) = 2, not ceil(2.2) = 3
+    assert monitor.history[-1]["consumed"] == 10.0
 
 
 def test_cluster_autoscale_spec_is_validated():

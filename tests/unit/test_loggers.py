@@ -89,7 +89,7 @@ def test_no_loggers_is_allowed_and_csv_is_the_default(tmp_path):
 
 @pytest.mark.parametrize(("names", "message"), [
     (["csv", "tensorbord"],
-     r"trainer.loggers\[1\]: unknown logger 'tensorbord'; choose from \['csv', 'mlflow', 'tensorboard', 'wandb'\]"),
+     r"trainer.loggers\[1\]: unknown logger 'tensorbord'; choose one of \['csv', 'mlflow', 'tensorboard', 'wandb'\]"),
     (["csv", "csv"], r"trainer.loggers\[1\]: 'csv' is listed twice"),
     ("csv", r"trainer.loggers: expected a list of logger names, e.g. \['csv'\]"),
 ])

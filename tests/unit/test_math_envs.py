@@ -18,10 +18,10 @@ import pytest
 
 from astratk.contracts import SamplingParams
 from astratk.engines import ScriptedEngine
-from astratk.envs.chat import encode_chat
 from astratk.envs.math import MathGrader, MathJsonlEnv, WordProblemEnv, final_answer, load_math_jsonl
 from astratk.envs.math.grading import is_simple
 from astratk.models import build_char_tokenizer
+from astratk.models.chat import encode_chat
 from astratk.records import Task
 
 TOK = build_char_tokenizer()

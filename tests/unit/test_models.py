@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2Tokenizer
 
 import astratk.models.warm_start as ws
-from astratk.envs.chat import encode_chat, stop_token_ids
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.models import build_char_tokenizer, build_tiny_model, ensure_model
 from astratk.models.cache import MARKER, model_key
+from astratk.models.chat import encode_chat, stop_token_ids
 from astratk.models.tokenizer import save_char_tokenizer
 from astratk.spec import ModelSpec, TinyModelSpec
 

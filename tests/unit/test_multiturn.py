@@ -9,9 +9,9 @@ import pytest
 
 from astratk.contracts import SamplingParams
 from astratk.engines import ScriptedEngine
-from astratk.envs.chat import encode_chat
 from astratk.envs.multiturn import Budget, ChatTurns, Conversation, parse_tags, parse_tool_calls
 from astratk.models import build_char_tokenizer
+from astratk.models.chat import encode_chat
 from astratk.records import Task
 
 TOK = build_char_tokenizer()

@@ -28,9 +28,10 @@ def test_list_script_cycles_in_order():
 
 
 def test_callable_script_sees_prompt_and_params():
-    engine = ScriptedEngine("tok", lambda prompt, params: [len(prompt), int(params.temperature * 10)])
+    tok = object()  # any tokenizer object is kept as given (a str or path names a model directory)
+    engine = ScriptedEngine(tok, lambda prompt, params: [len(prompt), int(params.temperature * 10)])
     [c] = gen(engine, [req((7, 8, 9), temperature=0.5)])
-    assert c.token_ids == (3, 5) and engine.tokenizer == "tok"
+    assert c.token_ids == (3, 5) and engine.tokenizer is tok
 
 
 def test_n_samples_expand_in_place_with_consecutive_seeds():
@@ -80,7 +81,7 @@ def test_build_engine_by_short_name():
 def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
     """An engine whose weight load failed half-way reports `broken` (VLLMEngine); the service closes it and builds
     a new one at the next use instead of failing every rollout from then on."""
-    from astratk.rollout import service as service_module
+    import astratk.engines as engines_module
     from astratk.rollout.service import RolloutService, RunContext
     from astratk.spec import RolloutSpec, RunSpec
 
@@ -97,7 +98,7 @@ def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(service_module, "resolve", lambda kind, name: Breakable)
+    monkeypatch.setattr(engines_module, "resolve", lambda kind, name: Breakable)
     spec = RunSpec(rollout=RolloutSpec(engine="scripted")).validate()
     service = RolloutService(RunContext("broken", spec, {"main": None}, "memory://broken-engine"))
     first = service.engine("main")
@@ -108,3 +109,43 @@ def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
         assert service.sync("main") == 0  # nothing published: the new engine stays at version 0
     second = service.engine("main")
     assert second is not first and first.closed and len(built) == 2
+
+
+def test_a_run_spec_with_the_scripted_engine_rolls_out_and_scores(tmp_path):
+    """`rollout.engine: scripted` from a spec: the service builds every engine from the policy's model directory with
+    `rollout.max_batch`, which ScriptedEngine (it answers at once) does not take; it gets the directory's tokenizer,
+    which the env encodes prompts with, and its script from `rollout.engine_args`."""
+    from astratk.dataflow.datalayer import DataLayer
+    from astratk.dataflow.handle import DataLayerHandle
+    from astratk.models import build_char_tokenizer
+    from astratk.models.tokenizer import save_char_tokenizer
+    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.spec import DataflowSpec, RolloutSpec, RunSpec
+
+    tok = build_char_tokenizer()
+    save_char_tokenizer(tok, tmp_path)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    spec = RunSpec(rollout=RolloutSpec(engine="scripted", group_size=2, max_batch=4),
+                   dataflow=DataflowSpec(filter_zero_variance=False)).validate()
+    [lease] = DataLayerHandle(DataLayer(spec)).call("lease", 1)
+    answer = list(tok(spec.env.demonstration(lease.task), add_special_tokens=False)["input_ids"]) + [end]
+    spec.rollout.engine_args = {"script": [answer]}
+    service = RolloutService(RunContext("scripted-spec", spec, {"main": str(tmp_path)}, "memory://scripted-spec"))
+    engine = service.engine("main")
+    assert isinstance(engine, ScriptedEngine) and engine.tokenizer.convert_tokens_to_ids("<|im_end|>") == end
+    [scored] = service.score(service.rollout([lease]))
+    [group] = scored.groups
+    assert [t.reward for t in group.trajectories] == [1.0, 1.0]  # the demonstration, encoded by the loaded tokenizer
+    assert engine.requests[0].prompt_ids == tuple(group.trajectories[0].tokens[:group.trajectories[0].n_prompt])
+
+
+def test_engine_arguments_the_constructor_cannot_take_fail_naming_what_it_takes():
+    with pytest.raises(TypeError, match=r"engine 'astratk.engines.scripted.ScriptedEngine' .* takes no argument "
+                                        r"\['batch_window_s'\] \(rollout.engine_args\); its constructor takes "
+                                        r"\['logprob', 'script', 'version'\]"):
+        build_engine("astratk.engines.scripted.ScriptedEngine", None, batch_window_s=0.01)
+    # run-wide settings reach only the constructors that take them; the engine's own arguments override them
+    engine = build_engine("scripted", None, run_settings={"max_batch": 4, "version": 1}, version=3)
+    assert engine.version == 3
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        ScriptedEngine("no/such/model")
