@@ -79,7 +79,7 @@ def _train(argv: list[str]) -> int:
         print("usage: astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR "
               "[--trainer.* ...] (`astratk train fit --help` lists everything)")
         return 0
-    from astratk.training.deployed import train_cli
+    from astratk.runtime.trainer_job import train_cli
 
     try:
         train_cli(argv)

@@ -4,7 +4,7 @@ running elsewhere (issue 6 targets).
 What is real and what is simulated:
 - real: a `dask scheduler` process, N `distributed.Worker`s each registered on their own (own server, heartbeats,
   one task thread, labels `rollout_main=1, score=1`), and, in the `astratk` path, the real acquisition loop
-  (`astratk.rollout.acquisition.Acquisition`), the real data layer as a Dask actor on a `control` worker, and the real
+  (`astratk.runtime.acquisition.Acquisition`), the real data layer as a Dask actor on a `control` worker, and the real
   `admit_task`, with leases, admission and counters;
 - simulated: the rollout itself. A rollout Dask task sleeps `--task-ms` (200 ms: latency-bound, like waiting on an
   inference server) and returns empty `LeaseResult`s; scoring returns them unchanged. No model.
@@ -177,7 +177,7 @@ def throughput_dask(client, n: int, seconds: float, warmup: float) -> float:
 
 def throughput_astratk(client, n: int, seconds: float, warmup: float, tasks_per_chunk: int) -> float:
     """The real Acquisition + DataLayer actor + admit_task; rollout and score simulated (module docstring)."""
-    import astratk.rollout.acquisition as acq
+    import astratk.runtime.acquisition as acq
     from astratk.dataflow.datalayer import DataLayer
     from astratk.dataflow.handle import DataLayerHandle
     from astratk.rollout.service import RunContext

@@ -1,4 +1,5 @@
-"""Rollout services and the acquisition loop that keeps them busy (DESIGN §4, steps 1-4)."""
+"""Rollout services and the Dask tasks they run (DESIGN §4, steps 2-4); the acquisition loop that keeps them busy is
+`astratk.runtime.acquisition`."""
 
 from astratk.rollout.service import LeaseResult, RolloutService, RunContext, get_service
 

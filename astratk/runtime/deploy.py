@@ -14,9 +14,9 @@ from typing import Any
 
 from astratk.dataflow.datalayer import DataLayer
 from astratk.dataflow.handle import DataLayerHandle
-from astratk.rollout.acquisition import Acquisition
 from astratk.rollout.service import RunContext
 from astratk.runtime import registry
+from astratk.runtime.acquisition import Acquisition
 from astratk.runtime.cluster import wait_for_workers
 from astratk.spec import SCORE_LABEL
 from astratk.weights.store import WeightStore

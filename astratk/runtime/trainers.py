@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any
 
 
+def trainer_dir(run_dir: str | Path, policy_id: str) -> Path:
+    """A policy's trainer directory in a run: its STOP file (in-process trainers too), and a
+    trainer process's logs, checkpoints and steps.json (its `--trainer.default_root_dir`)."""
+    return Path(run_dir) / "trainers" / policy_id
+
+
 class TrainerProcesses:
     def __init__(self, spec: Any, run_dir: Path, deployment: str, scheduler: str,
                  printer: Callable[[str], None] = print, startup_timeout_s: float | None = None) -> None:
@@ -31,7 +37,7 @@ class TrainerProcesses:
         self._relays: list[threading.Thread] = []
 
     def command(self, policy_id: str) -> list[str]:
-        root = self.run_dir / "trainers" / policy_id
+        root = trainer_dir(self.run_dir, policy_id)
         return [sys.executable, "-m", "astratk", "train", "fit", "--run_config", str(self.run_dir / "config.yaml"),
                 "--policy_id", policy_id, "--deployment", self.deployment, "--scheduler", self.scheduler,
                 "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
@@ -41,7 +47,7 @@ class TrainerProcesses:
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
         for p in self.spec.policies:
             pid = p.policy_id
-            (self.run_dir / "trainers" / pid).mkdir(parents=True, exist_ok=True)
+            trainer_dir(self.run_dir, pid).mkdir(parents=True, exist_ok=True)
             proc = subprocess.Popen(self.command(pid), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     env=env, bufsize=1)
             self.procs[pid] = proc
@@ -79,7 +85,7 @@ class TrainerProcesses:
         return {pid: self._result(pid) for pid in self.procs}
 
     def _result(self, pid: str) -> dict[str, Any]:
-        path = self.run_dir / "trainers" / pid / "steps.json"
+        path = trainer_dir(self.run_dir, pid) / "steps.json"
         if not path.exists():
             raise RuntimeError(f"the trainer of policy {pid!r} exited without writing {path}; last output:\n"
                                + "\n".join(self.tails[pid]))

@@ -50,6 +50,7 @@ import torch
 from astratk.contracts import LossInputs, PolicyLoss, TokenCorrection
 from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
+from astratk.spec import TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.aggregation import aggregate
 from astratk.training.collate import micro_batches, place_rows, select_rows
@@ -63,14 +64,19 @@ from astratk.training.step_inputs import (
     topk_fields,
 )
 
+# The optimiser's and the loss terms' defaults are the run config's (`TrainerSpec`: what users
+# configure), defined there once.
+_TRAINER = TrainerSpec()
+
 
 class PolicyModule(pl.LightningModule):
-    def __init__(self, model_path: str, loss: PolicyLoss, *, policy_id: str = "main", lr: float = 1e-3,
-                 weight_decay: float = 0.0, temperature: float = 1.0,
-                 aggregation: str = "seq-mean-token-sum-norm", horizon: int | None = None,
-                 corrections: list[TokenCorrection] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                 reference_path: str | None = None, entropy_coef: float = 0.0,
-                 micro_batch_tokens: int | None = None) -> None:
+    def __init__(self, model_path: str, loss: PolicyLoss, *, policy_id: str = "main",
+                 lr: float = _TRAINER.lr, weight_decay: float = _TRAINER.weight_decay,
+                 temperature: float = 1.0, aggregation: str = _TRAINER.aggregation,
+                 horizon: int | None = None, corrections: list[TokenCorrection] | None = None,
+                 kl_coef: float = _TRAINER.kl_coef, kl_estimator: str = _TRAINER.kl_estimator,
+                 reference_path: str | None = None, entropy_coef: float = _TRAINER.entropy_coef,
+                 micro_batch_tokens: int | None = _TRAINER.micro_batch_tokens) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["loss", "corrections"])
         if not (kl_coef >= 0 and entropy_coef >= 0):
@@ -246,7 +252,8 @@ class PolicyModule(pl.LightningModule):
         inputs = LossInputs(logprobs=fwd.logprobs, behavior_logprobs=batch.behavior_logprobs,
                             advantages=batch.advantages, loss_mask=batch.loss_mask, weights=batch.weights,
                             proximal_logprobs=proximal, topk_ids=topk_ids, topk_behavior_logprobs=topk_mu,
-                            topk_logprobs=fwd.topk_logprobs, reduce=self._reduce())
+                            topk_logprobs=fwd.topk_logprobs,
+                            sampled_ids=None if topk_ids is None else batch.input_ids[:, 1:], reduce=self._reduce())
         inputs, metrics = apply_corrections(self.corrections, self.correction_names, inputs)
         out = self.loss(inputs)
         token_losses, term_metrics = add_regularizers(out.token_losses, out.mask, fwd.logprobs, ref_logprobs=ref,

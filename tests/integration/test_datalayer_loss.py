@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from astratk.rollout.acquisition import task_accounting
+from astratk.runtime.acquisition import task_accounting
 from astratk.runtime.session import Session
 from tests.integration.test_local_run import small_spec
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from astratk.rollout.acquisition import task_accounting
+from astratk.runtime.acquisition import task_accounting
 from astratk.runtime.session import Session
 from astratk.spec import WorkerClass
 from tests.integration.test_local_run import small_spec

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from astratk.rollout.acquisition import task_accounting
+from astratk.runtime.acquisition import task_accounting
 from astratk.runtime.run import Run
 from tests.integration.test_local_run import small_spec
 

@@ -64,7 +64,7 @@ def test_asynchronous_resume_loses_and_duplicates_no_group(tmp_path):
     """Train 4 steps with checkpoints at 2 and 4; resume from step 2 as if the run had died after it. The resumed
     trainer never sees a group the first run trained on before its checkpoint, sees no group twice, and the
     restored data layer accounts for every task."""
-    from astratk.rollout.acquisition import task_accounting
+    from astratk.runtime.acquisition import task_accounting
     from astratk.runtime.session import Session
 
     spec = small_spec(tmp_path, max_steps=4, checkpoint_every=2)

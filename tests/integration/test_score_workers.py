@@ -14,9 +14,9 @@ from astratk.dataflow.handle import DataLayerHandle
 from astratk.engines import ScriptedEngine
 from astratk.envs.code.env import CodeEnv
 from astratk.models import build_char_tokenizer
-from astratk.rollout.acquisition import SCORE_RESOURCES
 from astratk.rollout.service import RolloutService, RunContext
 from astratk.rollout.tasks import score_task
+from astratk.runtime.acquisition import SCORE_RESOURCES
 from astratk.spec import DataflowSpec, PolicySpec, RolloutSpec, RunSpec
 from tests.unit.test_sandbox import host_is_fine
 

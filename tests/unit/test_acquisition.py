@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-import astratk.rollout.acquisition as acquisition_module
-from astratk.rollout.acquisition import Acquisition, ServiceStats, task_accounting
+import astratk.runtime.acquisition as acquisition_module
+from astratk.runtime.acquisition import Acquisition, ServiceStats, task_accounting
 
 
 def chunk(hardware: str, leases: int, seconds: float, versions: list[int], lags: list[int], synced: int,

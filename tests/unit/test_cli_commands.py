@@ -28,15 +28,23 @@ def test_deploy_needs_a_scheduler_and_status_names_an_unreachable_one(capsys):
 
 def test_trainer_flags_from_the_policy_pass_lightning_cli_validation():
     """The values `astratk train fit` fills in from `trainer:` must be valid Trainer arguments for LightningCLI's
-    parser (a float in max_time's dict failed there: dict[str, int])."""
+    parser (a float in max_time's dict failed there: dict[str, int]); a fractional max_time_s is kept exactly."""
+    import datetime
+
     import lightning.pytorch as pl
     from jsonargparse import ArgumentParser
 
+    from astratk.runtime.trainer_job import trainer_defaults
     from astratk.spec import TrainerSpec
-    from astratk.training.deployed import trainer_defaults
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(pl.Trainer, "trainer")
     values = {k: v for k, (_, v) in trainer_defaults(TrainerSpec(max_time_s=150.0, checkpoint_every=2)).items()}
     cfg = parser.parse_object({"trainer": values})
     assert cfg.trainer.max_time == {"seconds": 150} and cfg.trainer.max_steps == 200
+    values = {k: v for k, (_, v) in trainer_defaults(TrainerSpec(max_time_s=150.25)).items()}
+    cfg = parser.parse_object({"trainer": values})
+    assert datetime.timedelta(**cfg.trainer.max_time) == datetime.timedelta(seconds=150.25)
+    # "unset" is Lightning's own default, so a flag the command line gives is never overwritten
+    assert {k: unset for k, (unset, _) in trainer_defaults(TrainerSpec()).items()} == {
+        k: parser.get_defaults().trainer[k] for k in values}

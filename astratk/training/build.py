@@ -1,0 +1,173 @@
+"""The one place a policy's Lightning trainer is wired, for both ways a run trains.
+
+- In process (`astratk run` with one policy, a notebook): `build_trainer` returns the Trainer,
+  the `PolicyModule` and the data module, ready to `fit`.
+- A trainer job (`astratk train fit`, `astratk.runtime.trainer_job`): LightningCLI builds the
+  module and the Trainer from config, so the module's typed constructor stays the job's config;
+  every piece the command line does not give comes from here: `module_args`, `group_stream`,
+  `trainer_flags`, `checkpoint_args`, `callbacks`, `loggers`, `fit_result`.
+
+Everything derives from the run's `PolicySpec` / `TrainerSpec` plus what the caller holds: the data
+layer's handle, the weight store and the directories to write to. Nothing here knows Dask or
+deployments.
+
+Extending: a new trainer setting goes into `TrainerSpec`, then here, once, for both paths.
+
+Example:
+    >>> from astratk.spec import RunSpec
+    >>> spec = RunSpec()
+    >>> module_args(spec, "main")["lr"] == spec.policies[0].trainer.lr
+    True
+    >>> trainer_flags(spec.policies[0].trainer)["max_steps"]
+    200
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from astratk.dataflow.handle import DataLayerHandle
+from astratk.spec import RunSpec, TrainerSpec
+from astratk.training._pl import pl
+from astratk.training.data import GroupStream, RolloutDataModule
+from astratk.training.module import PolicyModule
+from astratk.training.recorder import StepRecorder
+from astratk.weights.store import WeightStore
+
+
+def module_args(spec: RunSpec, policy_id: str) -> dict[str, Any]:
+    """`PolicyModule`'s keyword arguments for `policy_id`: all but the model directory."""
+    p = spec.policy(policy_id)
+    ts = p.trainer
+    return {"loss": p.loss, "policy_id": policy_id, "lr": ts.lr, "weight_decay": ts.weight_decay,
+            "temperature": spec.rollout.temperature, "aggregation": ts.aggregation,
+            "horizon": ts.horizon or spec.rollout.max_new_tokens, "corrections": p.corrections,
+            "kl_coef": ts.kl_coef, "kl_estimator": ts.kl_estimator,
+            "entropy_coef": ts.entropy_coef, "micro_batch_tokens": ts.micro_batch_tokens}
+
+
+def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerHandle, model_path: str, *,
+                 start_step: int = 0, max_steps: int | None = None, rank: int = 0,
+                 world_size: int = 1) -> GroupStream:
+    """The policy's step batches from `datalayer`, padded with the model's pad token; `max_steps`
+    defaults to the policy's `trainer.max_steps`."""
+    from transformers import AutoTokenizer
+
+    ts = spec.policy(policy_id).trainer
+    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
+    return GroupStream(datalayer, policy_id, pad_id, start_step=start_step,
+                       max_steps=ts.max_steps if max_steps is None else max_steps,
+                       timeout_s=ts.batch_timeout_s, rank=rank, world_size=world_size)
+
+
+def trainer_flags(ts: TrainerSpec) -> dict[str, Any]:
+    """The Lightning Trainer flags a policy's `trainer:` section sets. The values also pass
+    LightningCLI's validation (it takes `max_time` as a dict of ints only), so the trainer job puts
+    them into its config."""
+    return {"max_steps": ts.max_steps, "max_time": _duration(ts.max_time_s),
+            "gradient_clip_val": ts.grad_clip or None,
+            "enable_checkpointing": bool(ts.checkpoint_every), "num_sanity_val_steps": 0,
+            "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def _duration(seconds: float | None) -> dict[str, int] | None:
+    """`max_time_s` in Lightning's dict form (`timedelta(**d)`), exact to the microsecond."""
+    if not seconds:
+        return None
+    whole = math.floor(seconds)
+    micro = round((seconds - whole) * 1e6)
+    return {"seconds": whole, "microseconds": micro} if micro else {"seconds": whole}
+
+
+def checkpoint_args(ts: TrainerSpec, dirpath: str | Path) -> dict[str, Any] | None:
+    """`ModelCheckpoint`'s arguments, or None when the policy writes no checkpoints: every
+    `checkpoint_every` steps into `dirpath/step=K.ckpt`, all kept (resume finds them by step, and
+    the data layer snapshots itself when each one's version is published)."""
+    if not ts.checkpoint_every:
+        return None
+    return {"dirpath": str(dirpath), "filename": "{step}",
+            "every_n_train_steps": ts.checkpoint_every, "save_top_k": -1, "save_last": False,
+            "enable_version_counter": False}
+
+
+def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: WeightStore,
+              stop_file: str | Path, progress: bool = True,
+              printer: Callable[[str], None] = print, status: Callable[[], str] | None = None,
+              extra: Callable[[], dict[str, float]] | None = None,
+              ) -> tuple[list[pl.Callback], StepRecorder]:
+    """The callbacks every trainer of `policy_id` runs, and the step recorder among them.
+
+    They publish the weights every `publish_every` steps (to `store`, telling the stream's data
+    layer), record each step's metrics (plus what `extra()` returns), stop after the step in which
+    `stop_file` appears and, when the spec asks for progress and `progress` is true, print a
+    progress line (plus what `status()` returns). The publisher comes before the recorder, so a
+    step's row holds its publication's metrics."""
+    from astratk.training.publish import WeightPublisher
+    from astratk.training.recorder import ProgressPrinter, StopFile
+
+    recorder = StepRecorder(stream, extra=extra)
+    every = spec.policy(policy_id).trainer.publish_every
+    out: list[pl.Callback] = [WeightPublisher(store, stream.datalayer, policy_id, every), recorder,
+                              StopFile(stop_file)]
+    if spec.progress and progress:
+        out.append(ProgressPrinter(recorder, status, printer=printer))
+    return out, recorder
+
+
+def loggers(ts: TrainerSpec, root: str | Path) -> Any:
+    """The policy's Lightning loggers under `root/lightning`; False for none (not [], and not None,
+    which would give Lightning's own default logger)."""
+    from astratk.training.loggers import make_loggers
+
+    return make_loggers(ts.loggers, Path(root), "lightning") or False
+
+
+def fit_result(recorder: StepRecorder) -> dict[str, Any]:
+    """What a finished fit reports to the run, in process or through a trainer job's steps.json:
+    every step's metrics row, the seconds spent waiting for data, the groups trained on in order."""
+    stream = recorder.stream
+    return {"rows": recorder.rows, "data_wait_s": stream.total_wait_s,
+            "group_ids": stream.group_ids}
+
+
+@dataclass(frozen=True)
+class PolicyTrainer:
+    """One policy's trainer in this process; `fit()` trains to the end and returns `fit_result`."""
+
+    trainer: pl.Trainer
+    module: PolicyModule
+    datamodule: RolloutDataModule
+    recorder: StepRecorder
+
+    @property
+    def stream(self) -> GroupStream:
+        return self.datamodule.stream
+
+    def fit(self, ckpt_path: str | Path | None = None) -> dict[str, Any]:
+        self.trainer.fit(self.module, datamodule=self.datamodule,
+                         ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
+        return fit_result(self.recorder)
+
+
+def build_trainer(spec: RunSpec, policy_id: str, *, model_path: str, stream: GroupStream,
+                  store: WeightStore, run_dir: str | Path, stop_file: str | Path,
+                  printer: Callable[[str], None] = print, status: Callable[[], str] | None = None,
+                  extra: Callable[[], dict[str, float]] | None = None) -> PolicyTrainer:
+    """The in-process trainer of `policy_id` on one CPU device: the module from `model_path`,
+    batches from `stream` (`group_stream`), weights published to `store`, checkpoints in
+    `run_dir/checkpoints/<policy>`, loggers in `run_dir/lightning`; it stops after the step in
+    which `stop_file` appears."""
+    ts = spec.policy(policy_id).trainer
+    module = PolicyModule(model_path, **module_args(spec, policy_id))
+    steps, recorder = callbacks(spec, policy_id, stream=stream, store=store, stop_file=stop_file,
+                                printer=printer, status=status, extra=extra)
+    ckpt = checkpoint_args(ts, Path(run_dir) / "checkpoints" / policy_id)
+    if ckpt is not None:
+        steps.append(pl.callbacks.ModelCheckpoint(**ckpt))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=loggers(ts, run_dir),
+                         callbacks=steps, **trainer_flags(ts))
+    return PolicyTrainer(trainer, module, RolloutDataModule(stream), recorder)
