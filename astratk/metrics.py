@@ -11,8 +11,8 @@ Layout (per-policy variables have a `policy` dimension, so multi-policy runs sha
   time at which the evaluated weights were published);
 - dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, `data_groups_admitted`...;
 - dims `(drop,)`: `dropped`, every counted drop with coordinates `drop_stage` (curation, rollout, admission, serving:
-  the data path's order), `drop_reason` (`zero_variance`, `stale`, a curator's name...), `drop_unit` (tasks, groups,
-  trajectories) and `drop_policy` ("" for task-level drops, which precede any policy);
+  the data path's order), `drop_reason` (`zero_variance`, `stale`, a curator's name...), `drop_unit` (tasks, results,
+  groups, trajectories) and `drop_policy` ("" for task-level drops, which precede any policy);
 - dims `(service,)` (one per rollout service, i.e. per rollout worker that produced data), with coordinate
   `service_hardware` (its worker class / hardware label): `service_tasks`, `service_tasks_per_s`,
   `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims `(hardware,)`: the same per class
@@ -26,13 +26,14 @@ Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{n
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xarray as xr
+
+from astratk.records import DROP_STAGES, Drop
 
 
 def _split(key: str, policies: Sequence[str]) -> tuple[str | None, str]:
@@ -66,15 +67,17 @@ def _table(rows_by_policy: Mapping[str, Sequence[Mapping[str, float]]], dim: str
 def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[str, float]]],
                   evals: Mapping[str, Sequence[Mapping[str, float]]], counters: Mapping[str, float],
                   attrs: Mapping[str, Any] | None = None,
-                  services: Mapping[str, Mapping[str, Any]] | None = None) -> xr.Dataset:
-    """`services`: rollout service name -> its metrics plus "hardware" (`ServiceStats.by_service()`)."""
+                  services: Mapping[str, Mapping[str, Any]] | None = None,
+                  drops: Sequence[Drop] = ()) -> xr.Dataset:
+    """`services`: rollout service name -> its metrics plus "hardware" (`ServiceStats.by_service()`); `drops`: the
+    data layer's counted drops (`DataLayer.drops()`)."""
     policies = list(policies)
     variables = _table(steps, "step", None, policies)
     variables.update(_table(evals, "eval", "eval", policies))
     coords: dict[str, Any] = {}
     if services:
         variables.update(_services(services, coords))
-    variables.update(_drops(counters, policies, coords))
+    variables.update(_drops(drops, policies, coords))
     scalars: dict[str, np.ndarray] = {}
     run_level: dict[str, float] = {}
     for key, value in counters.items():
@@ -110,38 +113,17 @@ def _services(services: Mapping[str, Mapping[str, Any]], coords: dict[str, Any])
     return out
 
 
-# Where each counted drop happens on the data path (DESIGN §4), read from the data layer's counter keys
-# (`astratk.dataflow.datalayer`): (key, stage, unit); the first full match wins.
-_DROP_KEYS: tuple[tuple[re.Pattern[str], str, str], ...] = tuple((re.compile(k), stage, unit) for k, stage, unit in (
-    (r"data/tasks_skipped_(?P<reason>.+)", "curation", "tasks"),  # refused by curator <reason> before rollout
-    (r"data/tasks_dropped_(?P<reason>.+)", "rollout", "tasks"),  # `failed`: max_task_attempts failed rollouts
-    (r"data/(?P<policy>[^/]+)/trajectories_(?P<reason>.+)_dropped", "admission", "trajectories"),  # `unscored`
-    (r"data/(?P<policy>[^/]+)/groups_dropped_(?P<reason>stale)", "serving", "groups"),  # too old when served
-    (r"data/(?P<policy>[^/]+)/groups_dropped_(?P<reason>.+)", "admission", "groups"),  # `empty`, filters' reasons
-))
-DROP_STAGES = ("curation", "rollout", "admission", "serving")
-
-
-def _drop_of(key: str, policies: Sequence[str]) -> tuple[str, str, str, str] | None:
-    """'data/main/groups_dropped_zero_variance' -> ('admission', 'zero_variance', 'groups', 'main'); None when the
-    key counts no drop. Task-level drops have policy ''."""
-    for pattern, stage, unit in _DROP_KEYS:
-        if m := pattern.fullmatch(key):
-            policy = m.groupdict().get("policy") or ""
-            return (stage, m["reason"], unit, policy) if not policy or policy in policies else None
-    return None
-
-
-def _drops(counters: Mapping[str, float], policies: Sequence[str], coords: dict[str, Any]) -> dict[str, Any]:
-    """Every counted drop (STYLE rule 14) as one long variable `dropped` (dim `drop`), ordered along the data path."""
-    rows = sorted(((*d, float(v)) for k, v in counters.items() if (d := _drop_of(k, policies)) is not None),
-                  key=lambda r: (DROP_STAGES.index(r[0]), r[3], r[1]))
+def _drops(drops: Sequence[Drop], policies: Sequence[str], coords: dict[str, Any]) -> dict[str, Any]:
+    """Every counted drop (`DataLayer.drops()`) as one long variable `dropped` (dim `drop`), along the data path.
+    Task-level drops have policy ''."""
+    rows = sorted((d for d in drops if not d.policy or d.policy in policies),
+                  key=lambda d: (DROP_STAGES.index(d.stage), d.policy, d.reason))
     if not rows:
         return {}
-    stage, reason, unit, policy, count = (list(col) for col in zip(*rows))
-    coords.update(drop=np.arange(len(rows)), drop_stage=("drop", stage), drop_reason=("drop", reason),
-                  drop_unit=("drop", unit), drop_policy=("drop", policy))
-    return {"dropped": (("drop",), np.array(count))}
+    coords.update(drop=np.arange(len(rows)), drop_stage=("drop", [d.stage for d in rows]),
+                  drop_reason=("drop", [d.reason for d in rows]), drop_unit=("drop", [d.unit for d in rows]),
+                  drop_policy=("drop", [d.policy for d in rows]))
+    return {"dropped": (("drop",), np.array([d.count for d in rows]))}
 
 
 def _attr(v: Any) -> Any:

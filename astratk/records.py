@@ -14,8 +14,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:  # TrainBatch's annotations only: records load without torch (they cross Dask's scheduler)
+if TYPE_CHECKING:  # annotations only: records load without torch (they cross Dask's scheduler)
     import torch
+
+    from astratk.spec import RunSpec
 
 Split = Literal["train", "heldout"]
 
@@ -166,6 +168,25 @@ class AdmitOutcome:
         return self.status == "duplicate"
 
 
+DropStage = Literal["curation", "rollout", "admission", "serving"]  # where on the data path, in path order
+DROP_STAGES: tuple[DropStage, ...] = ("curation", "rollout", "admission", "serving")
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Data the data layer dropped, counted (`DataLayer.drops()`): where, why, what was dropped and whose.
+
+    Units: `tasks` (refused by a curator, or failed `max_task_attempts` times), `results` (a rollout's result refused:
+    `unknown_lease`, `late_refused`), `trajectories` (`unscored`), `groups` (`empty`, a filter's reason, `stale`,
+    `overflow`). `policy` is "" for task-level drops."""
+
+    stage: DropStage
+    reason: str
+    unit: Literal["tasks", "results", "trajectories", "groups"]
+    policy: str
+    count: float
+
+
 @dataclass(frozen=True)
 class AdmitReport:
     """`DataLayer.admit_many`'s answer: an outcome per lease, and the policies' versions after admission (the
@@ -206,3 +227,52 @@ class TrainBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+# ------------------------------------------------------------------------------- rollout tasks
+@dataclass(frozen=True)
+class RunContext:
+    """What a worker needs to serve a run: picklable, passed with every task. Treat it as immutable once shipped:
+    it is pickled once per process and unpickled once per process (`__reduce__`)."""
+
+    run_id: str
+    spec: RunSpec  # the whole run's configuration (`astratk.spec`)
+    model_paths: dict[str, str]  # policy_id -> HF model dir (version 0)
+    store_url: str
+
+    def __reduce__(self) -> tuple:
+        """The context travels with every rollout and score task, and its env may hold data (arithmetic's held-out
+        set: ~45 KB); pickling and unpickling it per task doubled the CPU cost of a rollout chunk
+        (bench/scaling.py). So the bytes are made once here, and each receiving process rebuilds the object once."""
+        blob = self.__dict__.get("_pickled")
+        if blob is None:
+            import cloudpickle  # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
+
+            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url))
+            object.__setattr__(self, "_pickled", blob)
+        return (_context_from_bytes, (blob,))
+
+
+_CONTEXTS: dict[bytes, RunContext] = {}  # pickled bytes -> the context rebuilt from them, in this process
+
+
+def _context_from_bytes(blob: bytes) -> RunContext:
+    ctx = _CONTEXTS.get(blob)
+    if ctx is None:
+        import pickle
+
+        if len(_CONTEXTS) >= 8:  # a process serves few runs; keep the newest
+            _CONTEXTS.pop(next(iter(_CONTEXTS)))
+        ctx = _CONTEXTS[blob] = RunContext(*pickle.loads(blob))
+        object.__setattr__(ctx, "_pickled", blob)
+    return ctx
+
+
+@dataclass(frozen=True)
+class LeaseResult:
+    lease_id: str
+    groups: tuple[Group, ...]
+    seconds: float  # generation time of this lease, including any simulated slowdown
+    service: str  # the worker that rolled it out
+    hardware: str = "default"  # that worker's class (`astratk.runtime.pools`)
+    synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # policy -> engine version at start

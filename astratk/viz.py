@@ -33,7 +33,7 @@ from typing import Any
 
 import xarray as xr
 
-from astratk.metrics import DROP_STAGES
+from astratk.records import DROP_STAGES
 
 PLOTS = ("reward", "accuracy", "version_lag", "mismatch", "drpo_weights", "drops", "throughput")  # dashboard order
 TASK_LEVEL = "all policies"  # how drops() labels task-level drops (drop_policy "")

@@ -22,7 +22,8 @@ def trainer_alone(spec, model_path: str, steps: int) -> float:
     """Optimiser steps/s on one step's batch of real rollouts made up front by the real path (rollout service,
     in-process data layer, collate), so the trainer never waits."""
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
     from astratk.runtime.deploy import publish_initial
     from astratk.training.collate import collate
     from astratk.training.module import PolicyModule

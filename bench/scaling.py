@@ -117,7 +117,7 @@ def wait_workers(client, n: int, timeout: float = 120) -> None:
 def sim_rollout(ctx, leases):
     from distributed import get_worker
 
-    from astratk.rollout.service import LeaseResult
+    from astratk.records import LeaseResult
 
     time.sleep(TASK_S)
     return [LeaseResult(lease.lease_id, (), TASK_S, str(get_worker().name)) for lease in leases]
@@ -178,15 +178,15 @@ def throughput_dask(client, n: int, seconds: float, warmup: float) -> float:
 def throughput_astratk(client, n: int, seconds: float, warmup: float, tasks_per_chunk: int) -> float:
     """The real Acquisition + DataLayer actor + admit_task; rollout and score simulated (module docstring)."""
     import astratk.runtime.acquisition as acq
+    from astratk.dataflow.client import DataLayerClient
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.dataflow.handle import DataLayerHandle
-    from astratk.rollout.service import RunContext
+    from astratk.records import RunContext
     from astratk.spec import DataflowSpec, RolloutSpec, RunSpec
 
     spec = RunSpec(rollout=RolloutSpec(tasks_per_chunk=tasks_per_chunk, max_inflight_chunks=2),
                    dataflow=DataflowSpec(prefetch_steps=1e6))  # no back-pressure: no trainer consumes here
     actor = client.submit(DataLayer, spec, actor=True, resources={"control": 1}, pure=False).result(60)
-    handle = DataLayerHandle(actor)
+    handle = DataLayerClient(actor)
     real = acq.rollout_task, acq.score_task
     acq.rollout_task, acq.score_task = sim_rollout, sim_score  # the one substitution: no model (undone below)
     acquisition = acq.Acquisition(client, handle, RunContext("bench", spec, {}, "memory://bench"))

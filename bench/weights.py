@@ -33,7 +33,8 @@ from astratk.weights import SimulatedLink, SparseDelta, WeightStore, delta_to_by
 def rl_batch(spec, model_path: str):
     """One training step's batch of real rollouts (the config's groups per step), as `bench/pipeline.py` makes it."""
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
     from astratk.runtime.deploy import publish_initial
     from astratk.training.collate import collate
 

@@ -18,6 +18,6 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("default", max_examples=200, stateful_step_count=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("long", max_examples=2000, stateful_step_count=100, deadline=None,
+settings.register_profile("long", max_examples=5000, stateful_step_count=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

@@ -1,7 +1,7 @@
 """The dataflow layer (AstraFlow's programmable middle): task leasing, admission, per-policy buffers, batch serving.
 
 `DataLayer` is the one stateful coordinator; it runs as a Dask actor on the control worker or in-process.
-`DataLayerHandle` hides which, and owns the client-side waiting (an actor call never blocks the actor).
+`DataLayerClient` hides which, and owns the client-side waiting (an actor call never blocks the actor).
 
 The names load on first use, so that importing a submodule (`astratk.spec` imports the stage contracts) does not
 load the data layer with numpy and fsspec.
@@ -14,7 +14,7 @@ from typing import Any
 _LAZY = {
     "DataLayer": "astratk.dataflow.datalayer",
     "Lease": "astratk.dataflow.datalayer",
-    "DataLayerHandle": "astratk.dataflow.handle",
+    "DataLayerClient": "astratk.dataflow.client",
 }
 
 
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'astratk.dataflow' has no attribute {name!r}")
 
 
-__all__ = ["DataLayer", "DataLayerHandle", "Lease"]
+__all__ = ["DataLayer", "DataLayerClient", "Lease"]

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from astratk.dataflow.drops import DropLedger
 from astratk.dataflow.snapshots import same_keys
 from astratk.dataflow.stages.base import GroupFilter
 from astratk.records import Group, Task
@@ -35,6 +36,7 @@ class Admission:
         self._learn = learn
         self._round: dict[str, list[Group]] = {}  # synchronous mode: results held until the round is complete
         self.counts: Counter[str] = Counter()
+        self.drops = DropLedger()
         self._reward_sum: Counter[str] = Counter()
         self._traj_sums: Counter[str] = Counter()  # "<pid>/<role>/<metric>" -> sum over received trajectories
         self._traj_counts: Counter[str] = Counter()
@@ -65,6 +67,8 @@ class Admission:
         key = f"data/{pid}/"
         scored = tuple(t for t in group.trajectories if t.reward is not None)
         self.counts[key + "trajectories_unscored_dropped"] += len(group.trajectories) - len(scored)
+        if len(scored) < len(group.trajectories):
+            self.drops.add("admission", "unscored", "trajectories", pid, len(group.trajectories) - len(scored))
         self.counts[key + "groups_received"] += 1
         self.counts[key + "samples_received"] += len(scored)
         for t in group.trajectories:  # env metrics (turns, tool calls, tests passed...) per policy and role
@@ -74,6 +78,7 @@ class Admission:
                 self._traj_counts[k] += 1
         if not scored:
             self.counts[key + "groups_dropped_empty"] += 1
+            self.drops.add("admission", "empty", "groups", pid)
             return 0
         rewards = [float(t.reward) for t in scored]  # type: ignore[arg-type]
         self._reward_sum[pid] += sum(rewards)
@@ -84,6 +89,7 @@ class Admission:
             reason = f.check(group)
             if reason is not None:
                 self.counts[key + f"groups_dropped_{reason}"] += 1
+                self.drops.add("admission", reason, "groups", pid)
                 return 0
         # The version is computed (and cached) now, not while a trainer waits for its batch.
         group.version  # noqa: B018
@@ -112,7 +118,7 @@ class Admission:
     def state_dict(self) -> dict[str, Any]:
         return {"round": {lid: list(groups) for lid, groups in self._round.items()}, "counts": dict(self.counts),
                 "reward_sum": dict(self._reward_sum), "traj_sums": dict(self._traj_sums),
-                "traj_counts": dict(self._traj_counts),
+                "traj_counts": dict(self._traj_counts), "drops": self.drops.state_dict(),
                 "filters": {k: st.state_dict() for k, st in self.filters.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -122,6 +128,7 @@ class Admission:
         self._reward_sum = Counter(state["reward_sum"])
         self._traj_sums = Counter(state["traj_sums"])
         self._traj_counts = Counter(state["traj_counts"])
+        self.drops.load_state_dict(state["drops"])
         for name, st in self.filters.items():
             st.load_state_dict(state["filters"][name])
 

@@ -28,6 +28,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+from astratk.dataflow.drops import DropLedger
 from astratk.dataflow.snapshots import same_keys
 from astratk.dataflow.stages.base import ServingOrder, Stage
 from astratk.dataflow.stages.serving import Mixing, Replay, Staleness
@@ -70,6 +71,7 @@ class BatchServer:
         self._batches: OrderedDict[tuple[str, int], list[Group]] = OrderedDict()
         self.paused = False
         self.counts: Counter[str] = Counter()
+        self.drops = DropLedger()
 
     # ------------------------------------------------------------------------------------------------ versions
     def publish(self, ref: WeightRef) -> bool:
@@ -127,6 +129,7 @@ class BatchServer:
         cap = 4 * max(1, self.policies[policy_id].prefetch_groups)
         if len(buf) > cap:
             self.counts[f"data/{policy_id}/groups_dropped_overflow"] += len(buf) - cap
+            self.drops.add("serving", "overflow", "groups", policy_id, len(buf) - cap)
             for _ in range(len(buf) - cap):
                 buf.popleft()
         return buf
@@ -138,6 +141,7 @@ class BatchServer:
         fresh = self.policies[policy_id].staleness.fresh(buf, current)
         if len(fresh) < len(buf):
             self.counts[f"data/{policy_id}/groups_dropped_stale"] += len(buf) - len(fresh)
+            self.drops.add("serving", "stale", "groups", policy_id, len(buf) - len(fresh))
             buf = self._buffers[policy_id] = deque(fresh)
         return buf
 
@@ -241,7 +245,7 @@ class BatchServer:
         return {"buffers": {pid: list(buf) for pid, buf in self._buffers.items()},
                 "batches": [(pid, step, list(groups)) for (pid, step), groups in batches],
                 "versions": dict(self._versions), "served": dict(self._served), "refs": dict(self._refs),
-                "paused": self.paused, "counts": dict(self.counts),
+                "paused": self.paused, "counts": dict(self.counts), "drops": self.drops.state_dict(),
                 "stages": {pid: {k: st.state_dict() for k, st in s.stages().items()}
                            for pid, s in self.policies.items()}}
 
@@ -256,6 +260,7 @@ class BatchServer:
         self._refs = dict(state["refs"])
         self.paused = bool(state["paused"])
         self.counts = Counter(state["counts"])
+        self.drops.load_state_dict(state["drops"])
         for pid, serving in self.policies.items():
             for name, st in serving.stages().items():
                 st.load_state_dict(state["stages"][pid][name])

@@ -50,7 +50,7 @@ from astratk.dataflow.snapshots import SnapshotEntry, SnapshotStore, same_keys
 from astratk.dataflow.stages.base import Curator, Stage
 from astratk.dataflow.stages.filters import ZeroVariance
 from astratk.dataflow.stages.serving import Staleness
-from astratk.records import AdmitOutcome, AdmitReport, Group, Lease, Task, WeightRef
+from astratk.records import DROP_STAGES, AdmitOutcome, AdmitReport, Drop, Group, Lease, Task, WeightRef
 
 if TYPE_CHECKING:
     from astratk.spec import PolicySpec, RunSpec
@@ -229,6 +229,11 @@ class DataLayer:
         for name, st in self._curators.items():
             out.update({f"data/stage/{name}/{k}": v for k, v in st.metrics().items()})
         return out
+
+    def drops(self) -> list[Drop]:
+        """Every drop so far, as values, in data-path order (stage, then policy, then reason)."""
+        rows = [*self._book.drops.records(), *self._admission.drops.records(), *self._server.drops.records()]
+        return sorted(rows, key=lambda d: (DROP_STAGES.index(d.stage), d.policy, d.reason))
 
     def status(self) -> str:
         m = self.metrics()

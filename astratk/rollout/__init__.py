@@ -1,6 +1,7 @@
 """Rollout services and the Dask tasks they run (DESIGN §4, steps 2-4); the acquisition loop that keeps them busy is
 `astratk.runtime.acquisition`."""
 
-from astratk.rollout.service import LeaseResult, RolloutService, RunContext, get_service
+from astratk.records import LeaseResult, RunContext
+from astratk.rollout.service import RolloutService, get_service
 
 __all__ = ["LeaseResult", "RolloutService", "RunContext", "get_service"]

@@ -20,67 +20,15 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.dataflow.datalayer import Lease
 from astratk.engines import build_engine
-from astratk.records import Group, Task, Trajectory
+from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory
 from astratk.rollout.lockstep import Lockstep
-from astratk.spec import RunSpec
 from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What a worker needs to serve a run: picklable, passed with every task. Treat it as immutable once shipped:
-    it is pickled once per process and unpickled once per process (`__reduce__`)."""
-
-    run_id: str
-    spec: RunSpec
-    model_paths: dict[str, str]  # policy_id -> HF model dir (version 0)
-    store_url: str
-
-    def __reduce__(self) -> tuple:
-        """The context travels with every rollout and score task, and its env may hold data (arithmetic's held-out
-        set: ~45 KB); pickling and unpickling it per task doubled the CPU cost of a rollout chunk
-        (bench/scaling.py). So the bytes are made once here, and each receiving process rebuilds the object once."""
-        blob = self.__dict__.get("_pickled")
-        if blob is None:
-            import cloudpickle  # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
-
-            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url))
-            object.__setattr__(self, "_pickled", blob)
-        return (_context_from_bytes, (blob,))
-
-
-_CONTEXTS: dict[bytes, RunContext] = {}  # pickled bytes -> the context rebuilt from them, in this process
-
-
-def _context_from_bytes(blob: bytes) -> RunContext:
-    ctx = _CONTEXTS.get(blob)
-    if ctx is None:
-        import pickle
-
-        if len(_CONTEXTS) >= 8:  # a process serves few runs; keep the newest
-            _CONTEXTS.pop(next(iter(_CONTEXTS)))
-        ctx = _CONTEXTS[blob] = RunContext(*pickle.loads(blob))
-        object.__setattr__(ctx, "_pickled", blob)
-    return ctx
-
-
-@dataclass(frozen=True)
-class LeaseResult:
-    lease_id: str
-    groups: tuple[Group, ...]
-    seconds: float  # generation time of this lease, including any simulated slowdown
-    service: str  # the worker that rolled it out
-    hardware: str = "default"  # that worker's class (`astratk.runtime.pools`)
-    synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # policy -> engine version at start
-
 
 _SERVICES: dict[str, RolloutService] = {}
 _SERVICES_LOCK = threading.Lock()
@@ -177,7 +125,7 @@ class RolloutService:
     def rollout(self, leases: Sequence[Lease]) -> list[LeaseResult]:
         """Sync every routed engine to the newest weights, then roll out all leases concurrently. The worker's name
         and class are read per call: in a threads-mode cluster several workers share this process's service."""
-        from astratk.runtime.pools import worker_hardware  # on a worker only: it imports distributed
+        from astratk.rollout.hardware import worker_hardware  # on a worker only: it imports distributed
 
         policies = sorted({p for lease in leases for p in lease.routes.values()})
         synced = {pid: self.sync(pid) for pid in policies}

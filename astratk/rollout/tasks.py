@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from astratk.dataflow.handle import DataLayerHandle
-from astratk.records import Lease
-from astratk.rollout.service import LeaseResult, RunContext, get_service
+from astratk.dataflow.client import DataLayerClient
+from astratk.records import Lease, LeaseResult, RunContext
+from astratk.rollout.service import get_service
 
 
 def rollout_task(ctx: RunContext, leases: Sequence[Lease]) -> list[LeaseResult]:
@@ -23,7 +23,7 @@ def score_task(ctx: RunContext, results: Sequence[LeaseResult]) -> list[LeaseRes
     return get_service(ctx).score(results)
 
 
-def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerHandle) -> dict[str, Any]:
+def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> dict[str, Any]:
     """Admit each lease's groups (idempotent by lease id) in one data-layer call. Returns float totals plus, under
     "services", what each rollout service produced in this chunk (`astratk.runtime.acquisition.ServiceStats`
     aggregates them). In synchronous mode a round's groups are admitted when the round completes, so a chunk's

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from concurrent.futures import CancelledError
 from typing import Any
 
-from astratk.dataflow.handle import DataLayerHandle
-from astratk.rollout.service import RunContext
+from astratk.dataflow.client import DataLayerClient
+from astratk.records import RunContext
 from astratk.rollout.tasks import admit_task, rollout_task, score_task
 from astratk.runtime.cluster import count_workers
 from astratk.spec import SCORE_LABEL
@@ -33,7 +33,7 @@ SCORE_RESOURCES = {SCORE_LABEL: 1}  # what a score task asks for (astratk.spec.S
 
 
 class Acquisition:
-    def __init__(self, client: Any, datalayer: DataLayerHandle, ctx: RunContext) -> None:
+    def __init__(self, client: Any, datalayer: DataLayerClient, ctx: RunContext) -> None:
         self.client = client
         self.datalayer = datalayer
         self.ctx = ctx
@@ -87,7 +87,7 @@ class Acquisition:
         """Lease up to `chunks` chunks' worth of tasks in one data-layer call (an actor round trip per chunk capped
         the loop at ~35 chunks/s on 2 cores: bench/scaling.py) and submit a chain per chunk."""
         per_chunk = self.spec.rollout.tasks_per_chunk
-        leases = self.datalayer.call("lease", chunks * per_chunk)
+        leases = self.datalayer.lease(chunks * per_chunk)
         resources = {f"rollout_{p}": 1 for p in self._policies}
         for i in range(0, len(leases), per_chunk):
             chunk = leases[i:i + per_chunk]
@@ -151,7 +151,7 @@ class Acquisition:
         exc = future.exception() if future.status == "error" else future.status
         self.errors.append(f"rollout chunk {leases[0][0]}..: {exc!r}")
         log.warning("rollout chunk failed (%s); releasing %d leases for re-issue", exc, len(leases))
-        self.datalayer.call("release", leases, "error")
+        self.datalayer.release(leases, "error")
 
 
 class ServiceStats:
@@ -228,15 +228,15 @@ def task_accounting(data: Mapping[str, float]) -> dict[str, float]:
     """Where every leased task went, from the data layer's counters (`DataLayer.metrics()`).
 
     A lease id is created once per task (`leases_issued` counts re-issues too, `leases_reissued` only those). Each id
-    ends in exactly one place: admitted (`tasks_completed`, once: later admissions are `duplicates_ignored`), dropped
-    after `max_task_attempts` failed rollouts (`tasks_dropped_failed`, counted), or still open when the run stopped
+    ends in exactly one place (`astratk.dataflow.leases`): admitted (`tasks_completed`, once: later results are
+    `duplicates_ignored`; a result arriving after its lease was dropped is admitted and the drop taken back), dropped
+    after `max_task_attempts` failed or expired attempts (`tasks_dropped_failed`), or still open when the run stopped
     (`leases_outstanding` + `leases_waiting_reissue`). So
 
         tasks_lost = (leases_issued - leases_reissued) - tasks_completed - tasks_dropped_failed - open
 
-    is 0 when nothing was lost. One benign exception makes it negative, never positive: a lease that expired
-    (`leases_expired`) and whose slow original was admitted before its re-issue was handed out is both completed and
-    still queued for re-issue (the queue drops it lazily); so a negative value is bounded by `leases_expired`.
+    is exactly 0 unless the data layer lost a lease (the model checker, tests/unit/test_datalayer_model.py, checks it
+    after every step).
     """
     def get(k: str) -> float:
         return float(data.get(f"data/{k}", 0.0))

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from astratk.dataflow.client import DataLayerClient
 from astratk.dataflow.datalayer import DataLayer
-from astratk.dataflow.handle import DataLayerHandle
-from astratk.rollout.service import RunContext
+from astratk.records import RunContext
 from astratk.runtime import registry
 from astratk.runtime.acquisition import Acquisition
 from astratk.runtime.cluster import wait_for_workers
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Deployment:
     ctx: RunContext
-    datalayer: DataLayerHandle
+    datalayer: DataLayerClient
     acquisition: Acquisition
     store: WeightStore
     name: str | None = None
@@ -46,7 +46,7 @@ class Deployment:
         self.datalayer.recover = None  # from here on a lost actor is shutdown, not a failure to repair
         self.acquisition.stop()
         try:
-            self.datalayer.call("snapshot", "final", timeout=30)
+            self.datalayer.snapshot("final", timeout=30)
         except RuntimeError:  # no snapshot store configured
             pass
         if self.name and self.client is not None:
@@ -90,7 +90,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
         wait_for_workers(client, ["control"], 1, timeout_s)
         return start((snapshot_url, None))
 
-    handle = DataLayerHandle(start(restore), recover=recover if snapshot_url else None)
+    handle = DataLayerClient(start(restore), recover=recover if snapshot_url else None)
     acquisition = Acquisition(client, handle, ctx).start()
     return Deployment(ctx, handle, acquisition, store, name, client)
 

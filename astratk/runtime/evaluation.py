@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from astratk.rollout.service import RunContext
+from astratk.records import RunContext
 from astratk.rollout.tasks import evaluate_task
 from astratk.weights.store import WeightStore
 

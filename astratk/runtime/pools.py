@@ -25,15 +25,15 @@ Extending: another hardware class is another `WorkerClass`; nothing branches on 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import dask
-from distributed import Nanny, Scheduler, SpecCluster, Worker, WorkerPlugin, get_worker
+from distributed import Nanny, Scheduler, SpecCluster, Worker
 from distributed.core import Status
 from distributed.utils import NoOpAwaitable
 
+from astratk.rollout.hardware import SimulatedHardware, worker_hardware
 from astratk.spec import SCORE_LABEL, WorkerClass
 
 if TYPE_CHECKING:
@@ -44,39 +44,6 @@ __all__ = ["PoolCluster", "SimulatedHardware", "WorkerClass", "pool_classes", "r
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 CONTROL = "control"
-
-_HARDWARE: dict[str, tuple[str, float]] = {}  # worker name -> (class, slowdown), filled by SimulatedHardware
-
-
-class SimulatedHardware(WorkerPlugin):
-    """A worker plugin that tells the rollout service its worker's class and simulated slowdown. It pickles by
-    reference into nanny-spawned processes, and is keyed by worker name, so several in-process workers (threads
-    mode) keep their own."""
-
-    def __init__(self, worker_class: str, slowdown: float = 1.0) -> None:
-        self.worker_class = worker_class
-        self.slowdown = float(slowdown)
-        self.name = "astratk-hardware"
-
-    def setup(self, worker: Any) -> None:
-        _HARDWARE[str(worker.name)] = (self.worker_class, self.slowdown)
-
-    def teardown(self, worker: Any) -> None:
-        _HARDWARE.pop(str(worker.name), None)
-
-
-def worker_hardware(worker_name: str | None = None) -> tuple[str, float]:
-    """(class, slowdown) of the worker this runs on: from its `SimulatedHardware` plugin, else from
-    `ASTRATK_WORKER_CLASS` / `ASTRATK_SIM_SLOWDOWN`, else ("default", 1.0)."""
-    if worker_name is None:
-        try:
-            worker_name = str(get_worker().name)
-        except ValueError:  # not in a Dask task
-            worker_name = None
-    if worker_name is not None and worker_name in _HARDWARE:
-        return _HARDWARE[worker_name]
-    return os.environ.get("ASTRATK_WORKER_CLASS", "default"), float(os.environ.get("ASTRATK_SIM_SLOWDOWN", "1"))
-
 
 def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
     """The labels a worker needs to serve every policy's rollouts and score them."""

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.dataflow.handle import DataLayerHandle
-from astratk.rollout.service import RunContext
+from astratk.dataflow.client import DataLayerClient
+from astratk.records import RunContext
 
 PREFIX = "astratk-deployment-"
 
@@ -57,7 +57,7 @@ def fetch(client: Any, name: str, timeout_s: float = 60.0) -> DeploymentInfo:
         time.sleep(0.5)
 
 
-def attach(client: Any, name: str, timeout_s: float = 60.0) -> tuple[DeploymentInfo, DataLayerHandle]:
+def attach(client: Any, name: str, timeout_s: float = 60.0) -> tuple[DeploymentInfo, DataLayerClient]:
     """The deployment and a handle to its data layer that follows a replacement actor (published under the same
     name by the deploying process) when the current one is lost."""
     info = fetch(client, name, timeout_s)
@@ -73,5 +73,5 @@ def attach(client: Any, name: str, timeout_s: float = 60.0) -> tuple[DeploymentI
         raise TimeoutError(f"deployment {name!r}: its data layer was lost and no replacement was published within "
                            f"{timeout_s:.0f}s; is the deploying process (`astratk deploy` or the run) alive?")
 
-    handle = DataLayerHandle(info.datalayer, recover=follow)
+    handle = DataLayerClient(info.datalayer, recover=follow)
     return info, handle

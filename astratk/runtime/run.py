@@ -174,7 +174,7 @@ class Run:
                 out.update({k: v for k, v in self.result.summary.items() if isinstance(v, (int, float, str))})
             return out
         try:
-            m = session.deployment.datalayer.call("metrics", timeout=10)
+            m = session.deployment.datalayer.metrics(timeout=10)
         except Exception as e:  # noqa: BLE001 - a status display must not raise
             return {**out, "error": repr(e)}
         for p in self.spec.policies:
@@ -214,7 +214,7 @@ class Run:
 
         ds = build_dataset([p.policy_id for p in self.spec.policies], session.step_rows, session.eval_rows,
                            session.counters, attrs={"name": self.spec.name, **_flat(summary)},
-                           services=session.service_rows)
+                           services=session.service_rows, drops=session.drops)
         files = {"metrics": save(ds, run_dir / "metrics.nc")}
         files.update(ds.astra.save(run_dir / "dashboard"))
         files["summary"] = run_dir / "summary.json"

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from astratk.records import Drop
 from astratk.spec import RunSpec
 
 # The quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it.
@@ -126,6 +127,7 @@ class Session:
         self.step_rows: dict[str, list[dict[str, float]]] = {}
         self.eval_rows: dict[str, list[dict[str, float]]] = {}
         self.counters: dict[str, float] = {}
+        self.drops: list[Drop] = []
         # per rollout service (worker): throughput, version lag
         self.service_rows: dict[str, dict[str, Any]] = {}
         self.cluster: Any = None  # the local PoolCluster (None when attached to a scheduler)
@@ -141,7 +143,8 @@ class Session:
 
     # --------------------------------------------------------------------------------- set-up
     def __enter__(self) -> Session:  # noqa: PYI034 - typing.Self needs Python 3.11
-        from astratk.rollout.service import RunContext, _quiet_transformers
+        from astratk.records import RunContext
+        from astratk.rollout.service import _quiet_transformers
 
         _quiet_transformers()
         _quiet_dask()
@@ -265,11 +268,11 @@ class Session:
         """Stop leasing new tasks and serving new batches; work in flight is admitted, trainers
         wait (their batch timeout does not run while paused). Nothing is lost."""
         self.deployment.pause()
-        self.deployment.datalayer.call("set_paused", True)
+        self.deployment.datalayer.set_paused(True)
         self.state = "paused"
 
     def resume(self) -> None:
-        self.deployment.datalayer.call("set_paused", False)
+        self.deployment.datalayer.set_paused(False)
         self.deployment.resume()
         self.state = "training"
 
@@ -382,7 +385,7 @@ class Session:
         try:
             with _sigterm_sets(stop):
                 while not stop.wait(poll_s):
-                    m = self.deployment.datalayer.call("metrics")
+                    m = self.deployment.datalayer.metrics()
                     versions = {pid: int(m.get(f"data/{pid}/version", 0)) for pid in target}
                     self.print("  ".join(
                         f"{pid} v{v}/{target[pid]} "
@@ -413,7 +416,7 @@ class Session:
     def _collect_counters(self) -> None:
         from astratk.runtime.acquisition import task_accounting
 
-        data = self.deployment.datalayer.call("metrics")
+        data = self.deployment.datalayer.metrics()
         acquisition = self.deployment.acquisition
         # The acquisition loop's counters are the run's (a chunk may serve several policies); the
         # metrics dataset keeps them under the first policy.
@@ -422,6 +425,7 @@ class Session:
                   for k, v in acquisition.counts.items()}
         accounting = {f"acquisition/{k}": v for k, v in task_accounting(data).items()}
         self.counters = {**data, **counts, **accounting}
+        self.drops = self.deployment.datalayer.drops()
         self.service_rows = acquisition.services.by_service()
         if acquisition.errors:
             self.print(f"{len(acquisition.errors)} rollout chunk(s) failed; first: "
@@ -436,7 +440,7 @@ class Session:
             now = time.perf_counter()
             monitor.observe_step(stream.last_wait_s, now - last[0])
             last[0] = now
-            m = self.deployment.datalayer.call("metrics")
+            m = self.deployment.datalayer.metrics()
             # consumed = fresh groups served: replayed ones are not production's
             monitor.observe_datalayer(m, pid)
             return {f"autoscale/{pid}/wait_fraction": monitor.fraction,
@@ -447,7 +451,7 @@ class Session:
     def _status(self, policy_id: str) -> str:
         evals = [r for r in self.evaluator.records if r.get("accuracy") == r.get("accuracy")]
         acc = f"acc {evals[-1]['accuracy']:.3f}@v{int(evals[-1]['version'])}" if evals else ""
-        m = self.deployment.datalayer.call("metrics")
+        m = self.deployment.datalayer.metrics()
         k = f"data/{policy_id}/"
         scaling = (f"  rollout workers {len(self.cluster.pool())} "
                    f"(wait fraction {self.autoscale.fraction:.2f})" if self.autoscale else "")

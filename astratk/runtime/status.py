@@ -11,7 +11,7 @@ def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.
                  ) -> Iterator[str]:
     from distributed import Client
 
-    from astratk.dataflow.handle import DataLayerHandle
+    from astratk.dataflow.client import DataLayerClient
     from astratk.runtime import registry
 
     try:
@@ -31,8 +31,8 @@ def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.
             yield "no astratk deployments (start one with `astratk deploy`)"
         for n in names:
             info = registry.fetch(client, n, timeout_s)
-            handle = DataLayerHandle(info.datalayer, call_timeout_s=timeout_s)
-            yield from _deployment_lines(info, handle.call("metrics"))
+            handle = DataLayerClient(info.datalayer, call_timeout_s=timeout_s)
+            yield from _deployment_lines(info, handle.metrics())
 
 
 def _deployment_lines(info: Any, m: dict[str, float]) -> Iterator[str]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from astratk.dataflow.handle import DataLayerHandle
+from astratk.dataflow.client import DataLayerClient
 from astratk.spec import RunSpec, TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.data import GroupStream, RolloutDataModule
@@ -50,7 +50,7 @@ def module_args(spec: RunSpec, policy_id: str) -> dict[str, Any]:
             "entropy_coef": ts.entropy_coef, "micro_batch_tokens": ts.micro_batch_tokens}
 
 
-def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerHandle, model_path: str, *,
+def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, model_path: str, *,
                  start_step: int = 0, max_steps: int | None = None, rank: int = 0,
                  world_size: int = 1) -> GroupStream:
     """The policy's step batches from `datalayer`, padded with the model's pad token; `max_steps`

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from astratk.dataflow.handle import DataLayerHandle
+from astratk.dataflow.client import DataLayerClient
 from astratk.records import TrainBatch
 from astratk.training._pl import pl
 from astratk.training.collate import collate
@@ -31,7 +31,7 @@ class StepTicket:
 
 
 class GroupStream(IterableDataset):
-    def __init__(self, datalayer: DataLayerHandle, policy_id: str, pad_id: int, *, start_step: int = 0,
+    def __init__(self, datalayer: DataLayerClient, policy_id: str, pad_id: int, *, start_step: int = 0,
                  max_steps: int | None = None, timeout_s: float = 300.0, rank: int = 0, world_size: int = 1
                  ) -> None:
         self.datalayer = datalayer

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 
-from astratk.dataflow.handle import DataLayerHandle
+from astratk.dataflow.client import DataLayerClient
 from astratk.records import WeightRef
 from astratk.training._pl import pl
 from astratk.weights.store import WeightStore
 
 
 class WeightPublisher(pl.Callback):
-    def __init__(self, store: WeightStore, datalayer: DataLayerHandle, policy_id: str, every: int = 1) -> None:
+    def __init__(self, store: WeightStore, datalayer: DataLayerClient, policy_id: str, every: int = 1) -> None:
         if every < 1:
             raise ValueError(f"publish every must be >= 1 step, got {every}")
         self.store = store
@@ -41,7 +41,7 @@ class WeightPublisher(pl.Callback):
         start = time.perf_counter()
         ref = self.store.publish(self.policy_id, version, pl_module.weights())
         seconds = time.perf_counter() - start
-        self.datalayer.call("publish_version", ref)
+        self.datalayer.publish_version(ref)
         pl_module.policy_version = version
         self.refs.append(ref)
         prefix = f"weights/{self.policy_id}/"

@@ -35,7 +35,7 @@ def test_lost_datalayer_worker_resumes_from_the_snapshot(tmp_path):
     def killer(session: Session) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # wait until training is under way
-            if session.deployment.datalayer.call("metrics").get("data/main/groups_served", 0) >= 12:
+            if session.deployment.datalayer.metrics().get("data/main/groups_served", 0) >= 12:
                 break
             time.sleep(0.2)
         pid = control_pid(session.client)

@@ -16,6 +16,7 @@ they run is defined at module level.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from astratk.dataflow.handle import DataLayerHandle
+from astratk.dataflow.client import DataLayerClient
 from astratk.losses.drpo import DRPO
 from astratk.losses.m2po import M2PO
 from astratk.records import Group, Task, Trajectory
@@ -54,7 +55,7 @@ class ShardedData(RolloutDataModule):
     """This rank's shard of each step's batch from the data-layer actor: a Dask client of its own (a spawned rank
     has none), then the real `GroupStream` with the trainer's rank and world size."""
 
-    def __init__(self, handle: DataLayerHandle, scheduler: str) -> None:
+    def __init__(self, handle: DataLayerClient, scheduler: str) -> None:
         pl.LightningDataModule.__init__(self)
         self.handle, self.scheduler, self.client = handle, scheduler, None
         self.stream = None
@@ -143,13 +144,14 @@ def client():
         yield c
 
 
-def datalayer(client) -> DataLayerHandle:
+def datalayer(client) -> DataLayerClient:
     """A fresh actor with the fixed groups admitted: one step's batch of all of them."""
     spec = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(groups_per_step=len(GROUP_SIZES)))],
                    dataflow=DataflowSpec(filter_zero_variance=False))
-    handle = DataLayerHandle(start_datalayer(client, spec, timeout_s=60))
-    for i, group in enumerate(make_groups()):
-        assert handle.call("admit", f"lease-{i}", [group])["admitted"] == 1
+    handle = DataLayerClient(start_datalayer(client, spec, timeout_s=60))
+    leases = handle.lease(len(GROUP_SIZES))  # results are admitted only for leases the layer issued
+    for lease, group in zip(leases, make_groups(), strict=True):
+        assert handle.admit(lease.lease_id, [dataclasses.replace(group, task=lease.task)]).admitted == 1
     return handle
 
 
@@ -160,7 +162,7 @@ def datalayer(client) -> DataLayerHandle:
 def test_two_rank_ddp_equals_one_process_on_the_global_batch(client, model_path, tmp_path, loss, aggregation,
                                                             micro_batch_tokens):
     handle = datalayer(client)
-    whole = [g.group_id for g in handle.call("next_batch", "main", 0, 0, 1)]  # step 0's batch, formed once
+    whole = [g.group_id for g in handle.next_batch("main", 0, 0, 1)]  # step 0's batch, formed once
     assert len(whole) == len(GROUP_SIZES)
     fit(model_path, loss, aggregation, micro_batch_tokens, ShardedData(handle, client.scheduler.address), tmp_path,
         "single")

@@ -74,7 +74,7 @@ class Chaos:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def version(self) -> int:
-        return int(self.session.deployment.datalayer.call("version", "main"))
+        return int(self.session.deployment.datalayer.version("main"))
 
     def services(self) -> dict:
         return self.session.deployment.acquisition.services.by_service()
@@ -113,7 +113,7 @@ def test_workers_join_and_die_without_losing_or_duplicating_work(tmp_path):
             summary = session.train()
             trained_at = time.monotonic()
             chaos.thread.join(30)
-            state = session.deployment.datalayer.call("state_dict")
+            state = session.deployment.datalayer.state_dict()
         finally:
             if chaos.dask_worker is not None:
                 chaos.dask_worker.terminate()
@@ -161,8 +161,8 @@ def test_autoscaler_resizes_the_rollout_pool_and_never_retires_the_data_layer(tm
     on it, live through both."""
     from distributed import Client
 
+    from astratk.dataflow.client import DataLayerClient
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.dataflow.handle import DataLayerHandle
     from astratk.runtime.autoscale import WaitFractionAdaptive, WaitFractionMonitor
     from astratk.runtime.pools import start_pool_cluster
     from astratk.spec import AutoscaleSpec, ClusterSpec, RunSpec
@@ -172,7 +172,7 @@ def test_autoscaler_resizes_the_rollout_pool_and_never_retires_the_data_layer(tm
     cluster = start_pool_cluster(spec)
     try:
         with Client(cluster) as client:
-            datalayer = DataLayerHandle(client.submit(DataLayer, spec, actor=True, resources={"control": 1},
+            datalayer = DataLayerClient(client.submit(DataLayer, spec, actor=True, resources={"control": 1},
                                                       pure=False).result(60))
             [control] = [a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "control"]
             control_pid = client.run(os.getpid, workers=[control])[control]
@@ -187,7 +187,7 @@ def test_autoscaler_resizes_the_rollout_pool_and_never_retires_the_data_layer(tm
             finally:
                 adaptive.stop()
             assert client.run(os.getpid, workers=[control])[control] == control_pid
-            assert datalayer.call("version", "main") == 0  # the actor lives
+            assert datalayer.version("main") == 0  # the actor lives
             assert "control" in cluster.worker_spec and cluster.pool() == list(_rollout_workers(client))
             assert monitor.history[0]["target"] == 3  # the first decision went straight to the maximum
     finally:

@@ -9,12 +9,13 @@ import uuid
 
 import pytest
 
+from astratk.dataflow.client import DataLayerClient
 from astratk.dataflow.datalayer import DataLayer
-from astratk.dataflow.handle import DataLayerHandle
 from astratk.engines import ScriptedEngine
 from astratk.envs.code.env import CodeEnv
 from astratk.models import build_char_tokenizer
-from astratk.rollout.service import RolloutService, RunContext
+from astratk.records import RunContext
+from astratk.rollout.service import RolloutService
 from astratk.rollout.tasks import score_task
 from astratk.runtime.acquisition import SCORE_RESOURCES
 from astratk.spec import DataflowSpec, PolicySpec, RolloutSpec, RunSpec
@@ -33,7 +34,7 @@ def test_code_leases_are_scored_on_the_sandbox_worker(tmp_path):
     service = RolloutService(ctx)
     tok = build_char_tokenizer()
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    [lease] = DataLayerHandle(DataLayer(spec)).call("lease", 1)
+    [lease] = DataLayerClient(DataLayer(spec)).lease(1)
     marker = f"/tmp/evil-{uuid.uuid4().hex}"
     hostile = f"```python\nopen({marker!r}, 'w').write('x')\nwhile True:\n    pass\n```\n"
     answers = [env.demonstration(lease.task), hostile]  # episode 0 answers right, 1 writes outside and spins

@@ -33,7 +33,7 @@ def test_killed_rollout_worker_loses_no_step(tmp_path):
     def killer(session: Session) -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # wait until training is under way
-            if session.deployment.datalayer.call("metrics").get("data/main/groups_served", 0) >= 8:
+            if session.deployment.datalayer.metrics().get("data/main/groups_served", 0) >= 8:
                 break
             time.sleep(0.2)
         _, pid = rollout_worker(session.client)

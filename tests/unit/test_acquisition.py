@@ -67,13 +67,13 @@ def client():
 
 
 def test_a_cancelled_chain_is_released_and_the_loop_goes_on(client, monkeypatch):
+    from astratk.dataflow.client import DataLayerClient
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.dataflow.handle import DataLayerHandle
-    from astratk.rollout.service import RunContext
+    from astratk.records import RunContext
     from astratk.spec import RolloutSpec, RunSpec
 
     spec = RunSpec(rollout=RolloutSpec(tasks_per_chunk=1, max_inflight_chunks=1))
-    handle = DataLayerHandle(client.submit(DataLayer, spec, actor=True, resources={"control": 1}).result(30))
+    handle = DataLayerClient(client.submit(DataLayer, spec, actor=True, resources={"control": 1}).result(30))
     monkeypatch.setattr(acquisition_module, "rollout_task", _stuck_rollout)
     _RELEASE.clear()
     acq = Acquisition(client, handle, RunContext("t", spec, {}, "memory://t")).start()
@@ -89,7 +89,7 @@ def test_a_cancelled_chain_is_released_and_the_loop_goes_on(client, monkeypatch)
         while acq.counts["acquisition/chunks_submitted"] < 2:  # the loop goes on with a new chain
             assert time.monotonic() < deadline, "the loop stopped submitting"
             time.sleep(0.05)
-        assert handle.call("metrics")["data/leases_released_error"] == 1
+        assert handle.metrics()["data/leases_released_error"] == 1
         assert acq.counts["acquisition/loop_errors"] == 0
     finally:
         _RELEASE.set()
@@ -103,7 +103,7 @@ def test_run_context_is_pickled_once_and_rebuilt_once_per_process():
 
     import cloudpickle
 
-    from astratk.rollout.service import RunContext
+    from astratk.records import RunContext
     from astratk.spec import RunSpec
 
     ctx = RunContext("r1", RunSpec(), {"main": "/models/tiny"}, "memory://w")

@@ -99,7 +99,7 @@ def test_the_session_feeds_the_monitor_fresh_counts():
     metrics = {"data/main/groups_served": 20.0, "data/main/groups_replayed": 10.0, "data/main/groups_admitted": 40.0}
     monitor = WaitFractionMonitor(AutoscaleSpec(ewma_decay=0.0, cooldown_steps=0))
     fake = SimpleNamespace(autoscale=monitor, cluster=SimpleNamespace(pool=lambda: ["rollout-0"]),
-                           deployment=SimpleNamespace(datalayer=SimpleNamespace(call=lambda name: metrics)))
+                           deployment=SimpleNamespace(datalayer=SimpleNamespace(metrics=lambda: metrics)))
     feed = Session._autoscale_feed(fake, "main", SimpleNamespace(last_wait_s=0.0))
     assert feed()["autoscale/main/rollout_workers"] == 1.0
     assert monitor.decision(4) == 2  # ceil(4 * (20 - 10) / 40 * 1.1) = ceil(1.1) = 2, not ceil(2.2) = 3

@@ -11,6 +11,7 @@ import pytest
 
 import astratk.viz  # noqa: F401  (registers ds.astra)
 from astratk.metrics import build_dataset, load, save
+from astratk.records import Drop
 from astratk.viz import PLOTS, MissingMetrics
 
 POLICIES = ("solver", "verifier")
@@ -64,8 +65,10 @@ def synthetic_metrics(policies=POLICIES, weights_for=("solver",), services=True,
                   **({"accuracy_solver": 0.1 * i} if p == "solver" else {})} for i in range(N_EVALS)]
              for k, p in enumerate(policies)}
     kept = {k: v for k, v in COUNTERS.items() if k.split("/")[1] not in POLICIES or k.split("/")[1] in policies}
+    drops = [Drop(*row) for row in DROPS] if counters else []
     return build_dataset(list(policies), steps, evals, kept if counters else {},
-                         attrs={"name": "synthetic", "steps": N_STEPS}, services=SERVICES if services else None)
+                         attrs={"name": "synthetic", "steps": N_STEPS}, services=SERVICES if services else None,
+                         drops=drops)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,8 @@ def test_drops_are_every_counted_drop_in_data_path_order(ds):
     got = list(zip(drops.drop_stage, drops.drop_reason, drops.drop_unit, drops.drop_policy, drops.dropped))
     assert got == DROPS
     assert "dropped" not in build_dataset(["main"], {}, {}, {"data/leases_issued": 3.0})  # nothing counted: no dim
+    other = Drop("serving", "stale", "groups", "not_in_this_run", 1.0)
+    assert "dropped" not in build_dataset(["main"], {}, {}, {}, drops=[other])  # another run's policy: left out
 
 
 # --------------------------------------------------------------------------------------------------------- plots

@@ -302,6 +302,14 @@ class DataLayerMachine(RuleBasedStateMachine):
         acc = task_accounting(m)
         assert acc["tasks_lost"] == 0, f"lease accounting does not balance: {acc}"
         assert m.get("data/tasks_dropped_failed", 0) >= 0
+        # every counted drop is also a value, and the two agree
+        drops = {(d.stage, d.reason, d.policy): d.count for d in self.dl.drops()}
+        assert drops.get(("rollout", "failed", ""), 0) == m.get("data/tasks_dropped_failed", 0)
+        for pid in self.trainers:
+            for reason in ("stale", "overflow"):
+                assert drops.get(("serving", reason, pid), 0) == m.get(f"data/{pid}/groups_dropped_{reason}", 0)
+            for reason in ("zero_variance", "too_long", "empty"):
+                assert drops.get(("admission", reason, pid), 0) == m.get(f"data/{pid}/groups_dropped_{reason}", 0)
 
     @invariant()
     def copy_matches(self) -> None:

@@ -8,13 +8,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from astratk.dataflow.client import DataLayerClient
 from astratk.dataflow.datalayer import DataLayer
-from astratk.dataflow.handle import DataLayerHandle
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.losses.drpo import DRPO
 from astratk.models import ensure_model
+from astratk.records import RunContext
 from astratk.registry import resolve
-from astratk.rollout.service import RolloutService, RunContext
+from astratk.rollout.service import RolloutService
 from astratk.runtime.deploy import publish_initial
 from astratk.spec import DataflowSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec, TinyModelSpec, TrainerSpec
 from astratk.training.data import GroupStream, RolloutDataModule
@@ -50,13 +51,13 @@ def test_in_process_path_trains_and_versions_reach_rollouts(model_dir, tmp_path,
                    dataflow=DataflowSpec(filter_zero_variance=False, prefetch_steps=1)).validate()
     store = WeightStore(f"memory://inproc-{tmp_path.name}")
     publish_initial(store, "main", path)
-    handle = DataLayerHandle(DataLayer(spec))
+    handle = DataLayerClient(DataLayer(spec))
     service = RolloutService(RunContext("inproc", spec, {"main": path}, store.url))
 
     def roll_and_admit() -> None:
-        leases = handle.call("lease", 2)
+        leases = handle.lease(2)
         for res in service.score(service.rollout(leases)):
-            handle.call("admit", res.lease_id, list(res.groups))
+            handle.admit(res.lease_id, list(res.groups))
 
     roll_and_admit()  # step 0's data, sampled by version 0
     stream = GroupStream(handle, "main", pad_id=0, max_steps=2, timeout_s=5)
@@ -84,11 +85,11 @@ def test_in_process_path_trains_and_versions_reach_rollouts(model_dir, tmp_path,
         assert first_step["train/main/loss/divergence_max"] < 1e-5
         assert first_step["train/main/loss/masked_frac"] == 0.0
     assert [r.version for r in publisher.refs] == [1, 2]
-    assert handle.call("version", "main") == 2
+    assert handle.version("main") == 2
     changed = any(not torch.equal(before[k], v) for k, v in module.model.state_dict().items())
     assert changed
     # the rollouts between steps synced to the newest version, and their tokens say so
     assert service.engine("main").version == 2
-    batch2 = handle.call("next_batch", "main", 2)
+    batch2 = handle.next_batch("main", 2)
     assert {t.behavior_versions[0] for g in batch2 for t in g.trajectories} == {2}
     assert stream.total_wait_s < 5

@@ -249,6 +249,10 @@ LAYERS = {
                                              "astratk.runtime (the caller) or a lower layer (astratk.models)",
     ("astratk.engines", "astratk.training"): "an engine knows nothing about the trainer; move the shared code to "
                                              "astratk.models",
+    ("astratk.rollout", "astratk.runtime"): "rollout services are started by the runtime, not the other way round; "
+                                            "move the shared code to astratk.rollout",
+    ("astratk.dataflow", "astratk.runtime"): "the data layer is deployed by the runtime; it knows nothing about it",
+    ("astratk.dataflow", "astratk.training"): "the data layer serves records; the trainer collates them",
 }
 
 

@@ -82,7 +82,8 @@ def test_rollout_service_rebuilds_a_broken_engine(monkeypatch):
     """An engine whose weight load failed half-way reports `broken` (VLLMEngine); the service closes it and builds
     a new one at the next use instead of failing every rollout from then on."""
     import astratk.engines as engines_module
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
     from astratk.spec import RolloutSpec, RunSpec
 
     built: list[ScriptedEngine] = []
@@ -115,11 +116,12 @@ def test_a_run_spec_with_the_scripted_engine_rolls_out_and_scores(tmp_path):
     """`rollout.engine: scripted` from a spec: the service builds every engine from the policy's model directory with
     `rollout.max_batch`, which ScriptedEngine (it answers at once) does not take; it gets the directory's tokenizer,
     which the env encodes prompts with, and its script from `rollout.engine_args`."""
+    from astratk.dataflow.client import DataLayerClient
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.dataflow.handle import DataLayerHandle
     from astratk.models import build_char_tokenizer
     from astratk.models.tokenizer import save_char_tokenizer
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
     from astratk.spec import DataflowSpec, RolloutSpec, RunSpec
 
     tok = build_char_tokenizer()
@@ -127,7 +129,7 @@ def test_a_run_spec_with_the_scripted_engine_rolls_out_and_scores(tmp_path):
     end = tok.convert_tokens_to_ids("<|im_end|>")
     spec = RunSpec(rollout=RolloutSpec(engine="scripted", group_size=2, max_batch=4),
                    dataflow=DataflowSpec(filter_zero_variance=False)).validate()
-    [lease] = DataLayerHandle(DataLayer(spec)).call("lease", 1)
+    [lease] = DataLayerClient(DataLayer(spec)).lease(1)
     answer = list(tok(spec.env.demonstration(lease.task), add_special_tokens=False)["input_ids"]) + [end]
     spec.rollout.engine_args = {"script": [answer]}
     service = RolloutService(RunContext("scripted-spec", spec, {"main": str(tmp_path)}, "memory://scripted-spec"))

@@ -100,20 +100,21 @@ def test_demonstrations_teach_both_roles(env):
 
 def test_service_scores_both_roles_of_a_lease_with_one_shared_policy(tmp_path):
     """One policy plays both roles: the service routes both, groups per role, scores the lease in one call."""
+    from astratk.dataflow.client import DataLayerClient
     from astratk.dataflow.datalayer import DataLayer
-    from astratk.dataflow.handle import DataLayerHandle
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
     from astratk.spec import DataflowSpec, PolicySpec, RolloutSpec, RunSpec
 
     env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
     spec = RunSpec(env=env, policies=[PolicySpec(roles=["solver", "verifier"])],
                    rollout=RolloutSpec(engine="scripted", group_size=3, max_new_tokens=8),
                    dataflow=DataflowSpec(filter_zero_variance=False)).validate()
-    handle = DataLayerHandle(DataLayer(spec))
+    handle = DataLayerClient(DataLayer(spec))
     service = RolloutService(RunContext("sv", spec, {"main": None}, f"memory://sv-{tmp_path.name}"))
     engine = scripted("0", "REJECT", "0")
     service._engines[("rollout", "main")] = engine  # the scripted engine stands in for the policy's engine
-    [res] = service.score(service.rollout(handle.call("lease", 1)))
+    [res] = service.score(service.rollout(handle.lease(1)))
     by_role = {g.group_id.rsplit("/", 1)[1]: g for g in res.groups}
     assert set(by_role) == {"solver", "verifier"} and all(g.policy_id == "main" for g in res.groups)
     assert all(len(g.trajectories) == 3 for g in res.groups)

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from astratk.dataflow.client import DataLayerClient
 from astratk.dataflow.datalayer import DataLayer
-from astratk.dataflow.handle import DataLayerHandle
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.losses.drpo import DRPO
 from astratk.models import ensure_model
-from astratk.rollout.service import RolloutService, RunContext
+from astratk.records import RunContext
+from astratk.rollout.service import RolloutService
 from astratk.runtime.deploy import publish_initial
 from astratk.spec import DataflowSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec, TinyModelSpec, TrainerSpec
 from astratk.training import build
@@ -57,16 +58,16 @@ def model_dir(tmp_path_factory):
     return str(ensure_model(spec, env, log=lambda s: None)), env
 
 
-def _data(spec: RunSpec, path: str, name: str, steps: int) -> tuple[WeightStore, DataLayerHandle]:
+def _data(spec: RunSpec, path: str, name: str, steps: int) -> tuple[WeightStore, DataLayerClient]:
     """A weight store with version 0 and an in-process data layer holding `steps` steps' groups."""
     store = WeightStore(f"memory://build-{name}")
     publish_initial(store, "main", path)
-    handle = DataLayerHandle(DataLayer(spec))
+    handle = DataLayerClient(DataLayer(spec))
     service = RolloutService(RunContext(name, spec, {"main": path}, store.url))
-    leases = handle.call("lease", 2 * steps)  # every step's groups up front (prefetch_steps >= steps allows it)
+    leases = handle.lease(2 * steps)  # every step's groups up front (prefetch_steps >= steps allows it)
     assert len(leases) == 2 * steps
     for res in service.score(service.rollout(leases)):
-        handle.call("admit", res.lease_id, list(res.groups))
+        handle.admit(res.lease_id, list(res.groups))
     return store, handle
 
 
@@ -79,7 +80,7 @@ def test_build_trainer_publishes_records_checkpoints_logs_and_stops(model_dir, t
                    dataflow=DataflowSpec(filter_zero_variance=False, prefetch_steps=2)).validate()
     lines: list[str] = []
 
-    def trainer(run_dir: Path) -> tuple[build.PolicyTrainer, WeightStore, DataLayerHandle]:
+    def trainer(run_dir: Path) -> tuple[build.PolicyTrainer, WeightStore, DataLayerClient]:
         store, handle = _data(spec, path, f"{tmp_path.name}-{run_dir.name}", 2)
         stream = build.group_stream(spec, "main", handle, path)
         built = build.build_trainer(spec, "main", model_path=path, stream=stream, store=store, run_dir=run_dir,
@@ -94,7 +95,7 @@ def test_build_trainer_publishes_records_checkpoints_logs_and_stops(model_dir, t
     assert len(result["rows"]) == 2 and result["rows"][-1]["train/main/step"] == 2.0
     assert len(result["group_ids"]) == 4 and result["group_ids"] == built.stream.group_ids
     assert "weights/main/publish_s" in result["rows"][0]  # the publisher runs before the recorder
-    assert store.latest("main").version == 2 and handle.call("version", "main") == 2
+    assert store.latest("main").version == 2 and handle.version("main") == 2
     assert sorted(p.name for p in (run_dir / "checkpoints" / "main").iterdir()) == ["step=1.ckpt", "step=2.ckpt"]
     assert (run_dir / "lightning" / "version_0" / "metrics.csv").is_file()  # trainer.loggers: [csv]
 

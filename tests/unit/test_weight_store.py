@@ -366,7 +366,8 @@ def tiny_model(tmp_path_factory):
 def test_service_sync_moves_a_torch_engine_through_deltas_bit_for_bit(tiny_model, tmp_path, publish_dtype,
                                                                       engine_dtype):
     from astratk.models.loading import load_causal_lm
-    from astratk.rollout.service import RolloutService, RunContext
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
 
     path, env = tiny_model
     spec = RunSpec(env=env, rollout=RolloutSpec(engine_args={"dtype": engine_dtype})).validate()

@@ -1,13 +1,13 @@
-"""`DataLayerHandle`: one way to talk to a `DataLayer`, whether it is a Dask actor or an in-process object.
+"""`DataLayerClient`: one way to talk to a `DataLayer`, whether it is a Dask actor or an in-process object.
 
 Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side polling, so the
 actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods one at a time).
 
 Recovery: the actor dies with its worker ("Worker holding Actor was lost", or "Unable to contact Actor's worker" for a
-call in flight). A handle given `recover` (a callable that
+call in flight). A client given `recover` (a callable that
 starts a replacement actor from the newest snapshot and returns it: `astratk.runtime.deploy`) swaps it in and
 retries the call; concurrent callers share one recovery. Pickled copies (inside rollout chains) have no `recover`:
-their calls fail, and the acquisition re-issues that work through its own handle.
+their calls fail, and the acquisition re-issues that work through its own client.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from astratk.records import AdmitOutcome, AdmitReport, Group, Lease, WeightRef
+from astratk.records import AdmitOutcome, AdmitReport, Drop, Group, Lease, WeightRef
 
 if TYPE_CHECKING:
     from astratk.dataflow.snapshots import SnapshotEntry
 
 
-class DataLayerHandle:
+class DataLayerClient:
     """Wraps a `DataLayer` or a `distributed.Actor` of one; picklable when it wraps an actor."""
 
     def __init__(self, target: Any, call_timeout_s: float = 60.0, recover: Callable[[], Any] | None = None) -> None:
@@ -45,7 +45,7 @@ class DataLayerHandle:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["target"], state["call_timeout_s"])  # type: ignore[misc]
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def _call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         timeout = self.call_timeout_s if timeout is None else timeout
         if not self.is_actor:
             with self._lock:
@@ -65,53 +65,57 @@ class DataLayerHandle:
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ one typed method per data-layer method
+    # (`astratk.dataflow.datalayer.DataLayer` documents each); `timeout` overrides `call_timeout_s` for one call.
     def lease(self, n: int) -> list[Lease]:
-        return self.call("lease", n)
+        return self._call("lease", n)
 
     def release(self, leases: Sequence[tuple[str, int]], reason: str = "error") -> None:
-        self.call("release", list(leases), reason)
+        self._call("release", list(leases), reason)
 
     def admit(self, lease_id: str, groups: Sequence[Group]) -> AdmitOutcome:
-        return self.call("admit", lease_id, list(groups))
+        return self._call("admit", lease_id, list(groups))
 
     def admit_many(self, items: Sequence[tuple[str, Sequence[Group]]]) -> AdmitReport:
-        return self.call("admit_many", [(lease_id, list(groups)) for lease_id, groups in items])
+        return self._call("admit_many", [(lease_id, list(groups)) for lease_id, groups in items])
 
     def publish_version(self, ref: WeightRef) -> None:
-        self.call("publish_version", ref)
+        self._call("publish_version", ref)
 
     def latest(self, policy_id: str) -> WeightRef | None:
-        return self.call("latest", policy_id)
+        return self._call("latest", policy_id)
 
     def version(self, policy_id: str) -> int:
-        return self.call("version", policy_id)
+        return self._call("version", policy_id)
 
     def versions(self) -> dict[str, int]:
-        return self.call("versions")
+        return self._call("versions")
 
     def next_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1) -> list[Group] | None:
-        return self.call("next_batch", policy_id, step, rank, world_size)
+        return self._call("next_batch", policy_id, step, rank, world_size)
 
     def set_paused(self, paused: bool) -> None:
-        self.call("set_paused", paused)
+        self._call("set_paused", paused)
 
     def is_paused(self) -> bool:
-        return self.call("is_paused")
+        return self._call("is_paused")
 
     def metrics(self, timeout: float | None = None) -> dict[str, float]:
-        return self.call("metrics", timeout=timeout)
+        return self._call("metrics", timeout=timeout)
+
+    def drops(self, timeout: float | None = None) -> list[Drop]:
+        return self._call("drops", timeout=timeout)
 
     def status(self) -> str:
-        return self.call("status")
+        return self._call("status")
 
-    def snapshot(self, kind: str = "on_demand") -> SnapshotEntry:
-        return self.call("snapshot", kind)
+    def snapshot(self, kind: str = "on_demand", timeout: float | None = None) -> SnapshotEntry:
+        return self._call("snapshot", kind, timeout=timeout)
 
     def load_snapshot(self, url: str, name: str | None = None) -> dict[str, Any]:
-        return self.call("load_snapshot", url, name)
+        return self._call("load_snapshot", url, name)
 
-    def state_dict(self, batches_kept: int | None = None) -> dict[str, Any]:
-        return self.call("state_dict", batches_kept)
+    def state_dict(self, batches_kept: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+        return self._call("state_dict", batches_kept, timeout=timeout)
 
     # ------------------------------------------------------------------------------------------------ plumbing
     def _replace(self, lost: Any) -> None:
