@@ -9,9 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from astratk._addons import hide_mismatched_addons
+from astratk._lazy import lazy_names
 
 __version__ = "0.1.0"
 HIDDEN_ADDONS = hide_mismatched_addons()  # CUDA-built torchvision & co. next to a CPU torch: see astratk/_addons.py
@@ -25,13 +24,7 @@ _LAZY = {
     "WeightStore": "astratk.weights.store",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'astratk' has no attribute {name!r}")
+__getattr__ = lazy_names("astratk", _LAZY)
 
 
 __all__ = ["DataLayer", "PolicySpec", "Run", "RunSpec", "WeightStore", "load_spec"]

@@ -1,8 +1,8 @@
 """The small, typed records that cross component boundaries (DESIGN §2).
 
-Only these records and `WeightRef`s cross Dask's scheduler; tensors move through the weight store or are built by the
-trainer (`TrainBatch` is collated trainer-side from the groups the data layer serves). Token sequences are plain
-tuples of ints so records pickle small and compare by value.
+Only these records and `WeightRef`s cross Dask's scheduler; tensors move through the weight store or
+are built by the trainer (`TrainBatch` is collated trainer-side from the groups the data layer
+serves). Token sequences are plain tuples of ints so records pickle small and compare by value.
 
 Extending: add a field with a default at the end, so records pickled by an older worker still load.
 """
@@ -14,7 +14,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:  # annotations only: records load without torch (they cross Dask's scheduler)
+# annotations only: records load without torch (they cross Dask's scheduler)
+if TYPE_CHECKING:
     import torch
 
     from astratk.spec import RunSpec
@@ -24,7 +25,8 @@ Split = Literal["train", "heldout"]
 
 @dataclass(frozen=True)
 class Task:
-    """One problem an env can roll out. `info` holds what scoring needs (the answer, unit tests, corpus ids...)."""
+    """One problem an env can roll out. `info` holds what scoring needs (the answer, unit tests,
+    corpus ids...)."""
 
     task_id: str
     env: str
@@ -38,8 +40,8 @@ class Trajectory:
     """One (episode, role): the tokens a policy saw and produced, and how the engine sampled them.
 
     `loss_mask`, `behavior_logprobs` and `behavior_versions` cover the completion, i.e. have length
-    `len(tokens) - n_prompt`. Tokens the policy did not produce (tool or environment output in a multi-turn episode)
-    have loss_mask 0, behaviour log-prob 0.0 and version -1.
+    `len(tokens) - n_prompt`. Tokens the policy did not produce (tool or environment output in a
+    multi-turn episode) have loss_mask 0, behaviour log-prob 0.0 and version -1.
     """
 
     task_id: str
@@ -49,30 +51,36 @@ class Trajectory:
     tokens: tuple[int, ...]
     n_prompt: int
     loss_mask: tuple[int, ...]
-    behavior_logprobs: tuple[float, ...]  # engine log-probs at the sampling temperature
-    behavior_versions: tuple[int, ...]  # weight version that produced each completion token; -1 for env tokens
+    # engine log-probs at the sampling temperature
+    behavior_logprobs: tuple[float, ...]
+    # weight version that produced each completion token; -1 for env tokens
+    behavior_versions: tuple[int, ...]
     reward: float | None = None
-    finished: bool = True  # False when the completion hit its token budget
-    service: str = ""  # the rollout service (worker) that produced it
+    # False when the completion hit its token budget
+    finished: bool = True
+    # the rollout service (worker) that produced it
+    service: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
-    text: str = ""  # the completion as the env decoded it (graders read this; envs own tokenizers)
-    # Only when the run's loss needs them (DPPO Top-K): per completion token, the engine's top-K ids and log-probs;
-    # env tokens get empty tuples. Length len(tokens) - n_prompt, or empty.
+    # the completion as the env decoded it (graders read this; envs own tokenizers)
+    text: str = ""
+    # Only when the run's loss needs them (DPPO Top-K): per completion token, the engine's top-K ids
+    # and log-probs; env tokens get empty tuples. Length len(tokens) - n_prompt, or empty.
     behavior_topk_ids: tuple[tuple[int, ...], ...] = ()
     behavior_topk_logprobs: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.tokens) - self.n_prompt
         if n < 0:
-            raise ValueError(f"trajectory {self.group_id}: n_prompt={self.n_prompt} > len(tokens)={len(self.tokens)}")
+            raise ValueError(f"trajectory {self.group_id}: n_prompt={self.n_prompt} > "
+                             f"len(tokens)={len(self.tokens)}")
         names = ("loss_mask", "behavior_logprobs", "behavior_versions")
         if self.behavior_topk_ids or self.behavior_topk_logprobs:
             names += ("behavior_topk_ids", "behavior_topk_logprobs")
         for name in names:
             if len(getattr(self, name)) != n:
                 raise ValueError(
-                    f"trajectory {self.group_id}: len({name})={len(getattr(self, name))} must equal the completion "
-                    f"length len(tokens) - n_prompt = {n}"
+                    f"trajectory {self.group_id}: len({name})={len(getattr(self, name))} must "
+                    f"equal the completion length len(tokens) - n_prompt = {n}"
                 )
 
     @property
@@ -82,7 +90,8 @@ class Trajectory:
     @property
     def version(self) -> int:
         """Lowest weight version on any policy-produced token (-1 if the policy produced none)."""
-        if self.loss_mask and min(self.loss_mask) > 0:  # every token is the policy's (single turn): min() in C
+        # every token is the policy's (single turn): min() in C
+        if self.loss_mask and min(self.loss_mask) > 0:
             return min(self.behavior_versions)
         produced = [v for v, m in zip(self.behavior_versions, self.loss_mask) if m]
         return min(produced) if produced else -1
@@ -93,10 +102,12 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class Group:
-    """The unit of admission, filtering, staleness, replay and batching: one role's samples for one task.
+    """The unit of admission, filtering, staleness, replay and batching: one role's samples for one
+    task.
 
-    Advantages are fixed at admission (one per trajectory, broadcast over its completion tokens by the collate).
-    `weight` is set at serving (lag decay; `astratk.dataflow.stages.serving`) and multiplies every token's weight.
+    Advantages are fixed at admission (one per trajectory, broadcast over its completion tokens by
+    the collate). `weight` is set at serving (lag decay; `astratk.dataflow.stages.serving`) and
+    multiplies every token's weight.
     """
 
     group_id: str
@@ -108,20 +119,23 @@ class Group:
 
     @functools.cached_property
     def version(self) -> int:
-        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness semantics).
-        Cached: serving reads it for every buffered group at every step (fields are frozen, so it cannot change)."""
+        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness
+        semantics). Cached: serving reads it for every buffered group at every step (fields are
+        frozen, so it cannot change)."""
         versions = [v for v in (t.version for t in self.trajectories) if v >= 0]
         return min(versions) if versions else -1
 
     @property
     def role(self) -> str:
-        """The env role its samples play (one role per group); empty for a group without trajectories."""
+        """The env role its samples play (one role per group); empty for a group without
+        trajectories."""
         return self.trajectories[0].role if self.trajectories else ""
 
     @property
     def rewards(self) -> tuple[float, ...]:
         if any(t.reward is None for t in self.trajectories):
-            raise ValueError(f"group {self.group_id} has unscored trajectories; run the env's score() first")
+            raise ValueError(f"group {self.group_id} has unscored trajectories; run the env's "
+                             "score() first")
         return tuple(float(t.reward) for t in self.trajectories)  # type: ignore[arg-type]
 
 
@@ -136,24 +150,29 @@ class WeightRef:
     base_version: int | None = None
     nbytes: int = 0
     checksum: str = ""
-    published_at: float = 0.0  # time.time() at publication
+    # time.time() at publication
+    published_at: float = 0.0
 
 
 @dataclass(frozen=True)
 class Lease:
-    """One task handed out for rollout by the data layer (`astratk.dataflow.leases`). A re-issue keeps the lease id
-    and counts the attempt, so a slow original and its re-issue cannot both be admitted."""
+    """One task handed out for rollout by the data layer (`astratk.dataflow.leases`). A re-issue
+    keeps the lease id and counts the attempt, so a slow original and its re-issue cannot both be
+    admitted."""
 
     lease_id: str
     task: Task
-    routes: dict[str, str]  # env role -> policy_id
-    deadline: float  # on the data layer's clock
+    # env role -> policy_id
+    routes: dict[str, str]
+    # on the data layer's clock
+    deadline: float
     attempt: int = 1
 
 
-# What became of one lease's result at the data layer (`astratk.dataflow.leases`): `new` (admitted), `late` (admitted
-# after the lease had been dropped following its last attempt), `held` (synchronous mode: admitted with its round),
-# `duplicate` (already admitted), `late_refused` or `unknown` (not a lease of this layer, or not its task).
+# What became of one lease's result at the data layer (`astratk.dataflow.leases`): `new` (admitted),
+# `late` (admitted after the lease had been dropped following its last attempt), `held` (synchronous
+# mode: admitted with its round), `duplicate` (already admitted), `late_refused` or `unknown` (not a
+# lease of this layer, or not its task).
 AdmitStatus = Literal["new", "late", "held", "duplicate", "late_refused", "unknown"]
 
 
@@ -161,24 +180,28 @@ AdmitStatus = Literal["new", "late", "held", "duplicate", "late_refused", "unkno
 class AdmitOutcome:
     lease_id: str
     status: AdmitStatus
-    admitted: int = 0  # groups that joined a buffer in this call (a completed synchronous round counts them all)
+    # groups that joined a buffer in this call (a completed synchronous round counts them all)
+    admitted: int = 0
 
     @property
     def duplicate(self) -> bool:
         return self.status == "duplicate"
 
 
-DropStage = Literal["curation", "rollout", "admission", "serving"]  # where on the data path, in path order
+# where on the data path, in path order
+DropStage = Literal["curation", "rollout", "admission", "serving"]
 DROP_STAGES: tuple[DropStage, ...] = ("curation", "rollout", "admission", "serving")
 
 
 @dataclass(frozen=True)
 class Drop:
-    """Data the data layer dropped, counted (`DataLayer.drops()`): where, why, what was dropped and whose.
+    """Data the data layer dropped, counted (`DataLayer.drops()`): where, why, what was dropped and
+    whose.
 
-    Units: `tasks` (refused by a curator, or failed `max_task_attempts` times), `results` (a rollout's result refused:
-    `unknown_lease`, `late_refused`), `trajectories` (`unscored`), `groups` (`empty`, a filter's reason, `stale`,
-    `overflow`). `policy` is "" for task-level drops."""
+    Units: `tasks` (refused by a curator, or failed `max_task_attempts` times), `results` (a
+    rollout's result refused: `unknown_lease`, `late_refused`), `trajectories` (`unscored`),
+    `groups` (`empty`, a filter's reason, `stale`, `overflow`). `policy` is "" for task-level
+    drops."""
 
     stage: DropStage
     reason: str
@@ -189,8 +212,8 @@ class Drop:
 
 @dataclass(frozen=True)
 class AdmitReport:
-    """`DataLayer.admit_many`'s answer: an outcome per lease, and the policies' versions after admission (the
-    "current" of version-lag metrics)."""
+    """`DataLayer.admit_many`'s answer: an outcome per lease, and the policies' versions after
+    admission (the "current" of version-lag metrics)."""
 
     outcomes: tuple[AdmitOutcome, ...]
     versions: dict[str, int]
@@ -206,24 +229,37 @@ class AdmitReport:
 
 @dataclass
 class TrainBatch:
-    """Padded tensors for one rank's share of one optimiser step. Built by the trainer's collate, never shipped.
+    """Padded tensors for one rank's share of one optimiser step. Built by the trainer's collate,
+    never shipped.
 
-    Position t of every [B, T] tensor describes the prediction of `input_ids[:, t + 1]` from `input_ids[:, : t + 1]`,
-    so the trainer's log-probs line up with them directly (T = longest sequence - 1).
+    Position t of every [B, T] tensor describes the prediction of `input_ids[:, t + 1]` from
+    `input_ids[:, : t + 1]`, so the trainer's log-probs line up with them directly (T = longest
+    sequence - 1).
     """
 
-    input_ids: torch.Tensor  # [B, T+1] int64, right-padded with pad_id
-    attention_mask: torch.Tensor  # [B, T+1] int64, 1 on real tokens
-    loss_mask: torch.Tensor  # [B, T] float32, 1 on policy-produced completion tokens
-    behavior_logprobs: torch.Tensor  # [B, T] float32, engine log-probs at the sampling temperature, 0 elsewhere
-    advantages: torch.Tensor  # [B, T] float32, trajectory advantage broadcast over its completion tokens
-    weights: torch.Tensor  # [B, T] float32, per-token sample weights from serving stages (1 by default)
-    versions: torch.Tensor  # [B, T] int64, behaviour version per token, -1 off the completion
+    # [B, T+1] int64, right-padded with pad_id
+    input_ids: torch.Tensor
+    # [B, T+1] int64, 1 on real tokens
+    attention_mask: torch.Tensor
+    # [B, T] float32, 1 on policy-produced completion tokens
+    loss_mask: torch.Tensor
+    # [B, T] float32, engine log-probs at the sampling temperature, 0 elsewhere
+    behavior_logprobs: torch.Tensor
+    # [B, T] float32, trajectory advantage broadcast over its completion tokens
+    advantages: torch.Tensor
+    # [B, T] float32, per-token sample weights from serving stages (1 by default)
+    weights: torch.Tensor
+    # [B, T] int64, behaviour version per token, -1 off the completion
+    versions: torch.Tensor
     n_groups: int = 0
-    rewards: torch.Tensor | None = None  # [B] float32
-    topk_ids: torch.Tensor | None = None  # [B, T, K] int64, engine's top-K ids (0 off the completion)
-    topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] float32, their log mu (0 off the completion)
-    roles: tuple[str, ...] = ()  # [B] the env role of each row (workflows train one policy on several roles)
+    # [B] float32
+    rewards: torch.Tensor | None = None
+    # [B, T, K] int64, engine's top-K ids (0 off the completion)
+    topk_ids: torch.Tensor | None = None
+    # [B, T, K] float32, their log mu (0 off the completion)
+    topk_behavior_logprobs: torch.Tensor | None = None
+    # [B] the env role of each row (workflows train one policy on several roles)
+    roles: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -232,28 +268,33 @@ class TrainBatch:
 # ------------------------------------------------------------------------------- rollout tasks
 @dataclass(frozen=True)
 class RunContext:
-    """What a worker needs to serve a run: picklable, passed with every task. Treat it as immutable once shipped:
-    it is pickled once per process and unpickled once per process (`__reduce__`)."""
+    """What a worker needs to serve a run: picklable, passed with every task. Treat it as immutable
+    once shipped: it is pickled once per process and unpickled once per process (`__reduce__`)."""
 
     run_id: str
-    spec: RunSpec  # the whole run's configuration (`astratk.spec`)
-    model_paths: dict[str, str]  # policy_id -> HF model dir (version 0)
+    # the whole run's configuration (`astratk.spec`)
+    spec: RunSpec
+    # policy_id -> HF model dir (version 0)
+    model_paths: dict[str, str]
     store_url: str
 
     def __reduce__(self) -> tuple:
-        """The context travels with every rollout and score task, and its env may hold data (arithmetic's held-out
-        set: ~45 KB); pickling and unpickling it per task doubled the CPU cost of a rollout chunk
-        (bench/scaling.py). So the bytes are made once here, and each receiving process rebuilds the object once."""
+        """The context travels with every rollout and score task, and its env may hold data
+        (arithmetic's held-out set: ~45 KB); pickling and unpickling it per task doubled the CPU
+        cost of a rollout chunk (bench/scaling.py). So the bytes are made once here, and each
+        receiving process rebuilds the object once."""
         blob = self.__dict__.get("_pickled")
         if blob is None:
-            import cloudpickle  # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
+            # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
+            import cloudpickle
 
             blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url))
             object.__setattr__(self, "_pickled", blob)
         return (_context_from_bytes, (blob,))
 
 
-_CONTEXTS: dict[bytes, RunContext] = {}  # pickled bytes -> the context rebuilt from them, in this process
+# pickled bytes -> the context rebuilt from them, in this process
+_CONTEXTS: dict[bytes, RunContext] = {}
 
 
 def _context_from_bytes(blob: bytes) -> RunContext:
@@ -261,7 +302,8 @@ def _context_from_bytes(blob: bytes) -> RunContext:
     if ctx is None:
         import pickle
 
-        if len(_CONTEXTS) >= 8:  # a process serves few runs; keep the newest
+        # a process serves few runs; keep the newest
+        if len(_CONTEXTS) >= 8:
             _CONTEXTS.pop(next(iter(_CONTEXTS)))
         ctx = _CONTEXTS[blob] = RunContext(*pickle.loads(blob))
         object.__setattr__(ctx, "_pickled", blob)
@@ -272,7 +314,11 @@ def _context_from_bytes(blob: bytes) -> RunContext:
 class LeaseResult:
     lease_id: str
     groups: tuple[Group, ...]
-    seconds: float  # generation time of this lease, including any simulated slowdown
-    service: str  # the worker that rolled it out
-    hardware: str = "default"  # that worker's class (`astratk.runtime.pools`)
-    synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)  # policy -> engine version at start
+    # generation time of this lease, including any simulated slowdown
+    seconds: float
+    # the worker that rolled it out
+    service: str
+    # that worker's class (`astratk.runtime.pools`)
+    hardware: str = "default"
+    # policy -> engine version at start
+    synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -1,19 +1,22 @@
-"""`RunSpec`: the one configuration schema (DESIGN §2), shared by the notebook, the CLI and cluster jobs.
+"""`RunSpec`: the one configuration schema (DESIGN §2), shared by the notebook, the CLI and cluster
+jobs.
 
-Plain dataclasses: defaults live here once, YAML only overrides (parsed by jsonargparse in `astratk.config`).
-Plug-ins are typed by their contract (`env: Env`, `loss: PolicyLoss`), so YAML gives them as `class_path` /
-`init_args` (a registry short name such as `drpo` is sugar for the dotted path) and a notebook passes instances:
-`PolicySpec(loss=DRPO(delta=0.5))`. A constructor is its plug-in's config, so bad values fail at parse time; envs
-and losses must be cheap to pickle (they travel to workers and the data-layer actor with the spec).
-`RunSpec.validate()` checks every field and the rules between them, and raises naming the key to change.
+Plain dataclasses: defaults live here once, YAML only overrides (parsed by jsonargparse in
+`astratk.config`). Plug-ins are typed by their contract (`env: Env`, `loss: PolicyLoss`), so YAML
+gives them as `class_path` / `init_args` (a registry short name such as `drpo` is sugar for the
+dotted path) and a notebook passes instances: `PolicySpec(loss=DRPO(delta=0.5))`. A constructor is
+its plug-in's config, so bad values fail at parse time; envs and losses must be cheap to pickle
+(they travel to workers and the data-layer actor with the spec). `RunSpec.validate()` checks every
+field and the rules between them, and raises naming the key to change.
 
-Layering: this module is a leaf that loads no torch (the CLI, notebooks and cluster jobs read it cheaply; a test
-checks it). Each dataclass checks its own fields (`validate(key)`, `key` being where it sits in the YAML);
-`RunSpec.validate()` runs them all and the rules between fields, which need other modules (loggers, engines,
-advantages, TLS), in `astratk.validation`.
+Layering: this module is a leaf that loads no torch (the CLI, notebooks and cluster jobs read it
+cheaply; a test checks it). Each dataclass checks its own fields (`validate(key)`, `key` being where
+it sits in the YAML); `RunSpec.validate()` runs them all and the rules between fields, which need
+other modules (loggers, engines, advantages, TLS), in `astratk.validation`.
 
-Extending: add a field with a default to the dataclass that owns the concept, and its range check to that
-dataclass's `validate`; a rule that involves another field or module goes to `astratk.validation`.
+Extending: add a field with a default to the dataclass that owns the concept, and its range check to
+that dataclass's `validate`; a rule that involves another field or module goes to
+`astratk.validation`.
 """
 
 from __future__ import annotations
@@ -29,19 +32,22 @@ from astratk.dataflow.stages.serving import FIFO, Mixing, Replay
 
 @dataclass
 class TinyModelSpec:
-    """The built-in tiny Qwen2-architecture model (built and warm-started when `ModelSpec.path` is empty)."""
+    """The built-in tiny Qwen2-architecture model (built and warm-started when `ModelSpec.path` is
+    empty)."""
 
     hidden_size: int = 128
     num_layers: int = 4
-    num_heads: int = 4  # head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)
+    # head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)
+    num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 384
-    # Longest sequence (prompt + every turn) the model serves; multi-turn envs (search, agents) need more than 256.
-    # Engines size their KV cache by it (vLLM: max_batch x max_positions tokens).
+    # Longest sequence (prompt + every turn) the model serves; multi-turn envs (search, agents) need
+    # more than 256. Engines size their KV cache by it (vLLM: max_batch x max_positions tokens).
     max_positions: int = 256
-    # Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start from well-formed,
-    # partly right answers. It stops once the running exact-match on unseen train batches reaches the target (None:
-    # run every step); the steps are a cap. Default arithmetic env: ~30% held-out in under a minute on one thread.
+    # Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start
+    # from well-formed, partly right answers. It stops once the running exact-match on unseen train
+    # batches reaches the target (None: run every step); the steps are a cap. Default arithmetic
+    # env: ~30% held-out in under a minute on one thread.
     warm_start_steps: int = 1000
     warm_start_batch: int = 32
     warm_start_lr: float = 1e-3
@@ -50,110 +56,136 @@ class TinyModelSpec:
 
     def validate(self, key: str = "model.tiny") -> None:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
-            raise ValueError(f"{key}: hidden_size / num_heads must be an integer >= 32 (vLLM's CPU attention needs "
-                             f"it); got {self.hidden_size} / {self.num_heads}")
+            raise ValueError(f"{key}: hidden_size / num_heads must be an integer >= 32 (vLLM's CPU "
+                             f"attention needs it); got {self.hidden_size} / {self.num_heads}")
 
 
 @dataclass
 class ModelSpec:
-    path: str | None = None  # an HF model directory (config, safetensors, tokenizer); None builds the tiny model
+    # an HF model directory (config, safetensors, tokenizer); None builds the tiny model
+    path: str | None = None
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
-    cache_dir: str | None = None  # default: $ASTRATK_CACHE or ~/.cache/astratk
+    # default: $ASTRATK_CACHE or ~/.cache/astratk
+    cache_dir: str | None = None
 
     def validate(self, key: str) -> None:
         if self.path is not None:
             p = Path(self.path).expanduser()
             if not (p / "config.json").is_file():
-                raise ValueError(f"{key}.path: {str(p)!r} is not an HF model directory (no config.json there); "
-                                 f"give a directory saved with save_pretrained, or remove {key}.path to build the "
-                                 "tiny model")
+                raise ValueError(f"{key}.path: {str(p)!r} is not an HF model directory (no "
+                                 "config.json there); give a directory saved with save_pretrained, "
+                                 f"or remove {key}.path to build the tiny model")
         self.tiny.validate(f"{key}.tiny")
 
 
 @dataclass
 class TrainerSpec:
     max_steps: int = 200
-    max_time_s: float | None = None  # stop training after this many seconds (None: run max_steps)
-    groups_per_step: int = 16  # prompts per optimiser step (each with rollout.group_size samples)
+    # stop training after this many seconds (None: run max_steps)
+    max_time_s: float | None = None
+    # prompts per optimiser step (each with rollout.group_size samples)
+    groups_per_step: int = 16
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    publish_every: int = 1  # publish weights every k optimiser steps
+    # publish weights every k optimiser steps
+    publish_every: int = 1
     aggregation: str = "seq-mean-token-sum-norm"
-    horizon: int | None = None  # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
-    batch_timeout_s: float = 300.0  # longest wait for one step's batch before the trainer fails, naming the wait
-    kl_coef: float = 0.0  # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
-    kl_estimator: str = "k3"  # k3 (non-negative) or k1 (astratk.training.regularizers)
-    entropy_coef: float = 0.0  # > 0: subtract entropy_coef * H(pi) per token (entropy bonus)
-    max_staleness: int | None = None  # this policy's staleness bound; None: dataflow.max_staleness
-    checkpoint_every: int | None = None  # save a Lightning checkpoint (and a matching data-layer snapshot) every k
-    #   steps into <run dir>/checkpoints/<policy>; None: no checkpoints
-    # Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x longest row) and
-    # accumulate their gradients: activation memory scales with it, the update is the same. None: one forward.
+    # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
+    horizon: int | None = None
+    # longest wait for one step's batch before the trainer fails, naming the wait
+    batch_timeout_s: float = 300.0
+    # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
+    kl_coef: float = 0.0
+    # k3 (non-negative) or k1 (astratk.training.regularizers)
+    kl_estimator: str = "k3"
+    # > 0: subtract entropy_coef * H(pi) per token (entropy bonus)
+    entropy_coef: float = 0.0
+    # this policy's staleness bound; None: dataflow.max_staleness
+    max_staleness: int | None = None
+    # save a Lightning checkpoint (and a matching data-layer snapshot) every k steps into
+    # <run dir>/checkpoints/<policy>; None: no checkpoints
+    checkpoint_every: int | None = None
+    # Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x
+    # longest row) and accumulate their gradients: activation memory scales with it, the update is
+    # the same. None: one forward.
     micro_batch_tokens: int | None = None
-    # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv, tensorboard,
-    # wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's metrics.nc does not need them).
+    # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv,
+    # tensorboard, wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's
+    # metrics.nc does not need them).
     loggers: list[str] = field(default_factory=lambda: ["csv"])
 
     def validate(self, key: str = "trainer") -> None:
-        """Ranges; `aggregation` and `loggers` name entries of other modules' tables (`astratk.validation`)."""
+        """Ranges; `aggregation` and `loggers` name entries of other modules' tables
+        (`astratk.validation`)."""
         _positive(key, max_steps=self.max_steps, groups_per_step=self.groups_per_step, lr=self.lr,
                   publish_every=self.publish_every)
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"{key}: kl_coef and entropy_coef must be >= 0 (0 = off), got "
                              f"{self.kl_coef}, {self.entropy_coef}")
         if self.max_staleness is not None and self.max_staleness < 0:
-            raise ValueError(f"{key}.max_staleness must be >= 0 or null (dataflow.max_staleness), got "
-                             f"{self.max_staleness}")
+            raise ValueError(f"{key}.max_staleness must be >= 0 or null (dataflow.max_staleness), "
+                             f"got {self.max_staleness}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(f"{key}.checkpoint_every must be >= 1 step or null (no checkpoints), got "
-                             f"{self.checkpoint_every}")
+            raise ValueError(f"{key}.checkpoint_every must be >= 1 step or null (no checkpoints), "
+                             f"got {self.checkpoint_every}")
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"{key}.micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or null "
-                             f"(the whole step's batch in one forward), got {self.micro_batch_tokens}")
+            raise ValueError(f"{key}.micro_batch_tokens must be >= 1 (padded tokens per "
+                             "micro-batch) or null (the whole step's batch in one forward), got "
+                             f"{self.micro_batch_tokens}")
         if self.kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"{key}.kl_estimator: unknown {self.kl_estimator!r}; choose 'k1' or 'k3'")
+            raise ValueError(f"{key}.kl_estimator: unknown {self.kl_estimator!r}; "
+                             "choose 'k1' or 'k3'")
 
 
 @dataclass
 class PolicySpec:
     policy_id: str = "main"
-    roles: list[str] = field(default_factory=lambda: ["policy"])  # env roles this policy plays
+    # env roles this policy plays
+    roles: list[str] = field(default_factory=lambda: ["policy"])
     model: ModelSpec = field(default_factory=ModelSpec)
     loss: PolicyLoss = field(default_factory=lambda: _default("loss", "drpo"))
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
-    corrections: list[TokenCorrection] = field(default_factory=list)  # mismatch corrections, applied in order
+    # mismatch corrections, applied in order
+    corrections: list[TokenCorrection] = field(default_factory=list)
 
     def validate(self, key: str = "policies[0]") -> None:
         """Its own fields; which env roles exist is the env's business (`astratk.validation`)."""
         self.model.validate(f"{key}.model")
         if not isinstance(self.loss, PolicyLoss):
             raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
-                f"{key}.loss: expected an astratk.contracts.PolicyLoss, got {type(self.loss).__name__}")
+                f"{key}.loss: expected an astratk.contracts.PolicyLoss, got "
+                f"{type(self.loss).__name__}")
         for j, corr in enumerate(self.corrections):
             if not isinstance(corr, TokenCorrection):
-                raise ValueError(f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "  # noqa: TRY004
-                                 f"{type(corr).__name__}")
+                raise ValueError(  # noqa: TRY004
+                    f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
+                    f"{type(corr).__name__}")
         self.trainer.validate(f"{key}.trainer")
 
 
 @dataclass
 class RolloutSpec:
     engine: str = "torch"
-    group_size: int = 8  # samples per task; one group
+    # samples per task; one group
+    group_size: int = 8
     temperature: float = 1.0
     max_new_tokens: int = 8
-    tasks_per_chunk: int = 8  # tasks per rollout Dask task (their episodes share engine batches)
-    max_inflight_chunks: int = 2  # acquisition keeps this many chunks in flight per rollout worker
-    max_batch: int = 512  # most sequences the engine decodes together
-    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} for vllm
+    # tasks per rollout Dask task (their episodes share engine batches)
+    tasks_per_chunk: int = 8
+    # acquisition keeps this many chunks in flight per rollout worker
+    max_inflight_chunks: int = 2
+    # most sequences the engine decodes together
+    max_batch: int = 512
+    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} for
+    # vllm
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, key: str = "rollout") -> None:
         """Ranges; whether `engine` is known and installed is checked in `astratk.validation`."""
         _positive(key, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
-                  tasks_per_chunk=self.tasks_per_chunk, max_inflight_chunks=self.max_inflight_chunks,
-                  max_batch=self.max_batch)
+                  tasks_per_chunk=self.tasks_per_chunk,
+                  max_inflight_chunks=self.max_inflight_chunks, max_batch=self.max_batch)
         if self.temperature <= 0:
             raise ValueError(f"{key}.temperature: training rollouts sample, so it must be > 0 (got "
                              f"{self.temperature}); greedy decoding is for evaluation")
@@ -161,13 +193,17 @@ class RolloutSpec:
 
 @dataclass
 class SnapshotSpec:
-    """Where and how often the data layer writes its state (`astratk.dataflow.snapshots`). It also writes one at
-    every trainer checkpoint step (`trainer.checkpoint_every`), which `resume_from` pairs with that checkpoint."""
+    """Where and how often the data layer writes its state (`astratk.dataflow.snapshots`). It also
+    writes one at every trainer checkpoint step (`trainer.checkpoint_every`), which `resume_from`
+    pairs with that checkpoint."""
 
-    url: str | None = None  # fsspec URL; None: <run dir>/datalayer
-    every_steps: int | None = 1  # periodic: when every k-th step's batch is served (the state a replacement actor
-    #   continues from without serving a group twice); None: off
-    keep_last: int = 3  # periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)
+    # fsspec URL; None: <run dir>/datalayer
+    url: str | None = None
+    # periodic: when every k-th step's batch is served (the state a replacement actor continues from
+    # without serving a group twice); None: off
+    every_steps: int | None = 1
+    # periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)
+    keep_last: int = 3
 
     def validate(self, key: str = "dataflow.snapshot") -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -179,113 +215,148 @@ class SnapshotSpec:
 
 @dataclass
 class DataflowSpec:
-    """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages` documents each)."""
+    """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages`
+    documents each)."""
 
-    max_staleness: int = 4  # drop groups whose oldest token is more than this many versions behind
-    lease_timeout_s: float = 120.0  # a leased task not admitted by then is re-issued
-    advantage: str = "dr_grpo"  # group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)
-    filter_zero_variance: bool = True  # drop groups whose rewards are all equal (no learning signal), counted;
-    #   sugar for a `zero_variance` filter first in `filters`
-    max_task_attempts: int = 3  # a task whose rollout failed this many times is dropped, counted
-    prefetch_steps: float = 2.0  # back-pressure: lease only while buffered + in-flight tasks < this many steps' worth
-    # before rollout: every curator must accept a new task (accept_all | filter_solved | greso | curriculum)
+    # drop groups whose oldest token is more than this many versions behind
+    max_staleness: int = 4
+    # a leased task not admitted by then is re-issued
+    lease_timeout_s: float = 120.0
+    # group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)
+    advantage: str = "dr_grpo"
+    # drop groups whose rewards are all equal (no learning signal), counted; sugar for a
+    # `zero_variance` filter first in `filters`
+    filter_zero_variance: bool = True
+    # a task whose rollout failed this many times is dropped, counted
+    max_task_attempts: int = 3
+    # back-pressure: lease only while buffered + in-flight tasks < this many steps' worth
+    prefetch_steps: float = 2.0
+    # before rollout: every curator must accept a new task (accept_all | filter_solved | greso |
+    # curriculum)
     curators: list[Curator] = field(default_factory=list)
-    max_curator_skips: int = 10_000  # lease() raises after this many tasks in a row refused by curators
-    # after rollout: groups a filter rejects are dropped, counted by reason (zero_variance | length_filter | ...)
+    # lease() raises after this many tasks in a row refused by curators
+    max_curator_skips: int = 10_000
+    # after rollout: groups a filter rejects are dropped, counted by reason (zero_variance |
+    # length_filter | ...)
     filters: list[GroupFilter] = field(default_factory=list)
-    # at serving: a served group's weight is lag_decay ** (current version - its version); 1.0 = no decay
+    # at serving: a served group's weight is lag_decay ** (current version - its version); 1.0 = no
+    # decay
     lag_decay: float = 1.0
-    order: ServingOrder = field(default_factory=FIFO)  # fifo | edf
-    replay: Replay | None = None  # a replay share of every batch (class_path: replay)
-    mixing: Mixing | None = None  # per-env shares of every batch, by task.env (class_path: mixing)
-    # multi-policy: a policy's step-k batch is served only once every other policy has version >= k - version_barrier
-    #   (0: lock-step versions, so evaluations pair equal versions); None: policies advance independently
+    # fifo | edf
+    order: ServingOrder = field(default_factory=FIFO)
+    # a replay share of every batch (class_path: replay)
+    replay: Replay | None = None
+    # per-env shares of every batch, by task.env (class_path: mixing)
+    mixing: Mixing | None = None
+    # multi-policy: a policy's step-k batch is served only once every other policy has version
+    # >= k - version_barrier (0: lock-step versions, so evaluations pair equal versions); None:
+    # policies advance independently
     version_barrier: int | None = None
-    # the switch for the synchronous deterministic mode (the benchmarks' baseline, and the mode in which resume is
-    #   exact): rollouts for step k start only after version k is published, and a round of tasks is admitted in
-    #   lease order once all of it is in; implies max_staleness 0, needs one rollout worker and publish_every 1
+    # the switch for the synchronous deterministic mode (the benchmarks' baseline, and the mode in
+    # which resume is exact): rollouts for step k start only after version k is published, and a
+    # round of tasks is admitted in lease order once all of it is in; implies max_staleness 0, needs
+    # one rollout worker and publish_every 1
     synchronous: bool = False
     snapshot: SnapshotSpec = field(default_factory=SnapshotSpec)
 
     def validate(self, key: str = "dataflow") -> None:
-        """Ranges and stage types; `advantage` and `mixing` against the env are checked in `astratk.validation`."""
+        """Ranges and stage types; `advantage` and `mixing` against the env are checked in
+        `astratk.validation`."""
         if self.max_staleness < 0:
             raise ValueError(f"{key}.max_staleness must be >= 0, got {self.max_staleness}")
         _positive(key, lease_timeout_s=self.lease_timeout_s, prefetch_steps=self.prefetch_steps,
-                  max_task_attempts=self.max_task_attempts, max_curator_skips=self.max_curator_skips)
+                  max_task_attempts=self.max_task_attempts,
+                  max_curator_skips=self.max_curator_skips)
         if self.version_barrier is not None and self.version_barrier < 0:
-            raise ValueError(f"{key}.version_barrier must be >= 0 (0 = lock-step) or null (off), got "
-                             f"{self.version_barrier}")
+            raise ValueError(f"{key}.version_barrier must be >= 0 (0 = lock-step) or null (off), "
+                             f"got {self.version_barrier}")
         self.snapshot.validate(f"{key}.snapshot")
         if not 0.0 < self.lag_decay <= 1.0:
-            raise ValueError(f"{key}.lag_decay must be in (0, 1] (1 = no decay), got {self.lag_decay}")
-        for name, items, kind in (("curators", self.curators, Curator), ("filters", self.filters, GroupFilter)):
+            raise ValueError(f"{key}.lag_decay must be in (0, 1] (1 = no decay), got "
+                             f"{self.lag_decay}")
+        for name, items, kind in (("curators", self.curators, Curator),
+                                  ("filters", self.filters, GroupFilter)):
             for i, stage in enumerate(items):
                 if not isinstance(stage, kind):
-                    raise ValueError(f"{key}.{name}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, "  # noqa: TRY004
-                                     f"got {type(stage).__name__}")
-        for name, stage, kind in (("order", self.order, ServingOrder), ("replay", self.replay, Replay),
+                    raise ValueError(  # noqa: TRY004
+                        f"{key}.{name}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, "
+                        f"got {type(stage).__name__}")
+        for name, stage, kind in (("order", self.order, ServingOrder),
+                                  ("replay", self.replay, Replay),
                                   ("mixing", self.mixing, Mixing)):
             if stage is not None and not isinstance(stage, kind):
-                raise ValueError(f"{key}.{name}: expected an astratk.dataflow.stages.{kind.__name__}, got "
+                raise ValueError(f"{key}.{name}: expected an "
+                                 f"astratk.dataflow.stages.{kind.__name__}, got "
                                  f"{type(stage).__name__}")
         if self.order is None:
             raise ValueError(f"{key}.order: required; use {{class_path: fifo}} (arrival order) or "
                              "{class_path: edf}")
 
 
-# The resource label of workers that run score tasks (graders, code sandboxes): rollout workers by default, or
-# score-only ones (docs/cluster.md).
+# The resource label of workers that run score tasks (graders, code sandboxes): rollout workers by
+# default, or score-only ones (docs/cluster.md).
 SCORE_LABEL = "score"
 
 
 @dataclass
 class WorkerClass:
-    """One class of workers in a local pool (`astratk.runtime.pools`): `count` workers named `{name}-{i}`.
+    """One class of workers in a local pool (`astratk.runtime.pools`): `count` workers named
+    `{name}-{i}`.
 
-    `resources` None gives the rollout labels (`rollout_<policy>=1` for every policy, `score=1`); a dict is used as
-    given, e.g. `{rollout_main: 1, score: 1, gpu_fast: 1}`. `slowdown` *simulates* a slower hardware class: after
-    generating, the rollout service sleeps (slowdown - 1) x the generation time, so a class with slowdown 3 produces a
-    third of the throughput of the same process with slowdown 1 (a laptop has one kind of hardware)."""
+    `resources` None gives the rollout labels (`rollout_<policy>=1` for every policy, `score=1`); a
+    dict is used as given, e.g. `{rollout_main: 1, score: 1, gpu_fast: 1}`. `slowdown` *simulates* a
+    slower hardware class: after generating, the rollout service sleeps (slowdown - 1) x the
+    generation time, so a class with slowdown 3 produces a third of the throughput of the same
+    process with slowdown 1 (a laptop has one kind of hardware)."""
 
     name: str = "rollout"
     count: int = 1
     resources: dict[str, float] | None = None
     slowdown: float = 1.0
-    nthreads: int | None = None  # None: cluster.threads_per_worker
+    # None: cluster.threads_per_worker
+    nthreads: int | None = None
 
     def validate(self, key: str = "cluster.pools[0]") -> None:
-        """Its own fields; names unique across the pools and labels for every policy are the cluster's checks."""
+        """Its own fields; names unique across the pools and labels for every policy are the
+        cluster's checks."""
         if not self.name or self.name == "control" or "/" in self.name:
-            raise ValueError(f"{key}.name: {self.name!r} must be non-empty, unique, without '/', and not 'control' "
-                             "(the data layer's worker)")
+            raise ValueError(f"{key}.name: {self.name!r} must be non-empty, unique, without '/', "
+                             "and not 'control' (the data layer's worker)")
         if self.count < 0:
             raise ValueError(f"{key}.count must be >= 0, got {self.count}")
         if self.slowdown < 1.0:
-            raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower than this machine), "
-                             f"got {self.slowdown}")
+            raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower "
+                             f"than this machine), got {self.slowdown}")
         if self.nthreads is not None and self.nthreads < 1:
-            raise ValueError(f"{key}.nthreads must be >= 1 or null (cluster.threads_per_worker), got {self.nthreads}")
+            raise ValueError(f"{key}.nthreads must be >= 1 or null (cluster.threads_per_worker), "
+                             f"got {self.nthreads}")
         if self.resources is not None and "control" in self.resources:
             raise ValueError(f"{key}.resources: 'control' marks the data layer's worker; remove it")
 
 
 @dataclass
 class AutoscaleSpec:
-    """AstraFlow's wait-fraction rule resizing one rollout pool of a local cluster (`astratk.runtime.autoscale`).
-    The control worker (data layer) and the other pools are never retired."""
+    """AstraFlow's wait-fraction rule resizing one rollout pool of a local cluster
+    (`astratk.runtime.autoscale`). The control worker (data layer) and the other pools are never
+    retired."""
 
-    pool: str | None = None  # the worker class to resize; None: the first class that carries rollout labels
+    # the worker class to resize; None: the first class that carries rollout labels
+    pool: str | None = None
     minimum: int = 1
     maximum: int = 8
-    interval_s: float = 5.0  # seconds between decisions (Dask's adaptive interval)
-    ewma_decay: float = 0.8  # weight of the past in the EWMAs of trainer wait and step time (ours; not published)
-    cooldown_steps: int = 3  # trainer steps observed after a resize before the next decision (let the EWMAs move)
-    wait_count: int = 3  # consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)
+    # seconds between decisions (Dask's adaptive interval)
+    interval_s: float = 5.0
+    # weight of the past in the EWMAs of trainer wait and step time (ours; not published)
+    ewma_decay: float = 0.8
+    # trainer steps observed after a resize before the next decision (let the EWMAs move)
+    cooldown_steps: int = 3
+    # consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)
+    wait_count: int = 3
 
     def validate(self, key: str = "cluster.autoscale") -> None:
         if not 1 <= self.minimum <= self.maximum:
-            raise ValueError(f"{key}: need 1 <= minimum <= maximum, got {self.minimum}, {self.maximum}")
+            raise ValueError(f"{key}: need 1 <= minimum <= maximum, got {self.minimum}, "
+                             f"{self.maximum}")
         if not 0.0 <= self.ewma_decay < 1.0:
             raise ValueError(f"{key}.ewma_decay must be in [0, 1), got {self.ewma_decay}")
         _positive(key, interval_s=self.interval_s, wait_count=self.wait_count)
@@ -295,95 +366,122 @@ class AutoscaleSpec:
 
 @dataclass
 class TLSSpec:
-    """This process's TLS credentials for a `tls://` scheduler (`astratk.runtime.cluster.security`; docs/cluster.md).
-    PEM files on the machine that runs the driver; workers get theirs from `dask worker --tls-*` flags."""
+    """This process's TLS credentials for a `tls://` scheduler (`astratk.runtime.cluster.security`;
+    docs/cluster.md). PEM files on the machine that runs the driver; workers get theirs from
+    `dask worker --tls-*` flags."""
 
-    ca_file: str  # the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it
-    cert: str  # this client's certificate, signed by that CA (the scheduler and workers require one)
-    key: str | None = None  # its private key; None: the key is appended to `cert`
+    # the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it
+    ca_file: str
+    # this client's certificate, signed by that CA (the scheduler and workers require one)
+    cert: str
+    # its private key; None: the key is appended to `cert`
+    key: str | None = None
 
 
 @dataclass
 class ClusterSpec:
-    scheduler_address: str | None = None  # None: start a local cluster
-    processes: bool = True  # local cluster of worker processes; False: threads in this process (debuggers)
-    rollout_workers: int = 1  # size of the one rollout pool (class "rollout") when `pools` is empty
-    pools: list[WorkerClass] = field(default_factory=list)  # heterogeneous local pools; replaces rollout_workers
-    autoscale: AutoscaleSpec | None = None  # None: fixed pools
+    # None: start a local cluster
+    scheduler_address: str | None = None
+    # local cluster of worker processes; False: threads in this process (debuggers)
+    processes: bool = True
+    # size of the one rollout pool (class "rollout") when `pools` is empty
+    rollout_workers: int = 1
+    # heterogeneous local pools; replaces rollout_workers
+    pools: list[WorkerClass] = field(default_factory=list)
+    # None: fixed pools
+    autoscale: AutoscaleSpec | None = None
     threads_per_worker: int = 1
-    torch_threads: int = 1  # per process; 2-core machines oversubscribe otherwise
+    # per process; 2-core machines oversubscribe otherwise
+    torch_threads: int = 1
     dashboard: bool = False
     startup_timeout_s: float = 120.0
-    # TLS to an existing `tls://` scheduler; None: Dask's own config (DASK_DISTRIBUTED__COMM__TLS__*), if any
+    # TLS to an existing `tls://` scheduler; None: Dask's own config
+    # (DASK_DISTRIBUTED__COMM__TLS__*), if any
     tls: TLSSpec | None = None
 
     def validate(self, key: str = "cluster") -> None:
-        """Ranges, pools and autoscale; TLS files and the labels every policy needs are in `astratk.validation`."""
-        _positive(key, rollout_workers=self.rollout_workers, threads_per_worker=self.threads_per_worker,
-                  torch_threads=self.torch_threads)
+        """Ranges, pools and autoscale; TLS files and the labels every policy needs are in
+        `astratk.validation`."""
+        _positive(key, rollout_workers=self.rollout_workers,
+                  threads_per_worker=self.threads_per_worker, torch_threads=self.torch_threads)
         names: set[str] = set()
         for i, wc in enumerate(self.pools):
             if wc.name in names:
-                raise ValueError(f"{key}.pools[{i}].name: {wc.name!r} must be non-empty, unique, without '/', and "
-                                 "not 'control' (the data layer's worker)")
+                raise ValueError(f"{key}.pools[{i}].name: {wc.name!r} must be non-empty, unique, "
+                                 "without '/', and not 'control' (the data layer's worker)")
             names.add(wc.name)
             wc.validate(f"{key}.pools[{i}]")
         a = self.autoscale
         if a is not None:
             if self.scheduler_address is not None:
-                raise ValueError(f"{key}.autoscale resizes a local cluster's pool; with {key}.scheduler_address, "
-                                 "scale your cluster's own way (dask-jobqueue/kubernetes adapt) or remove autoscale")
+                raise ValueError(f"{key}.autoscale resizes a local cluster's pool; with "
+                                 f"{key}.scheduler_address, scale your cluster's own way "
+                                 "(dask-jobqueue/kubernetes adapt) or remove autoscale")
             a.validate(f"{key}.autoscale")
             pools = [wc.name for wc in self.pools] or ["rollout"]
             if a.pool is not None and a.pool not in pools:
-                raise ValueError(f"{key}.autoscale.pool: no worker class {a.pool!r}; classes are {pools}")
+                raise ValueError(f"{key}.autoscale.pool: no worker class {a.pool!r}; classes are "
+                                 f"{pools}")
 
 
 @dataclass
 class WeightsSpec:
-    url: str | None = None  # fsspec URL of the weight store; None: <run dir>/weights
-    keep_last: int | None = 32  # versions kept behind the newest (version 0, and the chains of kept versions'
-    #   deltas, are always kept); None keeps all
-    # a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with bf16 copies
-    # (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every element), so 1 (full only)
-    # is the default; set both together, with a bf16 engine (`rollout.engine_args: {dtype: bfloat16}`).
+    # fsspec URL of the weight store; None: <run dir>/weights
+    url: str | None = None
+    # versions kept behind the newest (version 0, and the chains of kept versions' deltas, are
+    # always kept); None keeps all
+    keep_last: int | None = 32
+    # a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with
+    # bf16 copies (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every
+    # element), so 1 (full only) is the default; set both together, with a bf16 engine
+    # (`rollout.engine_args: {dtype: bfloat16}`).
     full_every: int = 1
-    publish_dtype: str | None = None  # "bfloat16": publish bf16 copies (deltas compare bf16 bits, what a bf16 engine
-    #   loads); None: the trainer's dtype
-    link_bandwidth_bps: float | None = None  # simulate a remote link to the store (bits/s, e.g. 4e9); None: no link
-    link_latency_s: float = 0.0  # the simulated link's latency per request (e.g. 0.3)
+    # "bfloat16": publish bf16 copies (deltas compare bf16 bits, what a bf16 engine loads); None:
+    # the trainer's dtype
+    publish_dtype: str | None = None
+    # simulate a remote link to the store (bits/s, e.g. 4e9); None: no link
+    link_bandwidth_bps: float | None = None
+    # the simulated link's latency per request (e.g. 0.3)
+    link_latency_s: float = 0.0
 
     def validate(self, key: str = "weights") -> None:
-        """Its own fields; `publish_dtype` against the engines' dtype is checked in `astratk.validation`."""
+        """Its own fields; `publish_dtype` against the engines' dtype is checked in
+        `astratk.validation`."""
         if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"{key}.keep_last must be >= 1 or null (keep all), got {self.keep_last}")
+            raise ValueError(f"{key}.keep_last must be >= 1 or null (keep all), got "
+                             f"{self.keep_last}")
         if self.full_every < 1:
-            raise ValueError(f"{key}.full_every must be >= 1 (1: full snapshots only; AstraFlow uses 10), got "
-                             f"{self.full_every}")
+            raise ValueError(f"{key}.full_every must be >= 1 (1: full snapshots only; AstraFlow "
+                             f"uses 10), got {self.full_every}")
         dtypes = ("bfloat16", "float16", "float32")
         if self.publish_dtype is not None and self.publish_dtype not in dtypes:
-            raise ValueError(f"{key}.publish_dtype must be one of {list(dtypes)} or null (the trainer's dtype), got "
-                             f"{self.publish_dtype!r}")
+            raise ValueError(f"{key}.publish_dtype must be one of {list(dtypes)} or null (the "
+                             f"trainer's dtype), got {self.publish_dtype!r}")
         if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
-            raise ValueError(f"{key}.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null (no simulated "
-                             f"link), got {self.link_bandwidth_bps}")
+            raise ValueError(f"{key}.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null "
+                             f"(no simulated link), got {self.link_bandwidth_bps}")
         if self.link_latency_s < 0:
-            raise ValueError(f"{key}.link_latency_s must be >= 0 seconds, got {self.link_latency_s}")
+            raise ValueError(f"{key}.link_latency_s must be >= 0 seconds, got "
+                             f"{self.link_latency_s}")
 
 
 @dataclass
 class EvalSpec:
-    interval_s: float = 15.0  # wall-clock interval between held-out evaluations during training
-    max_tasks: int = 512  # held-out tasks evaluated each time (greedy decoding)
+    # wall-clock interval between held-out evaluations during training
+    interval_s: float = 15.0
+    # held-out tasks evaluated each time (greedy decoding)
+    max_tasks: int = 512
     timeout_s: float = 300.0
-    every_versions: int | None = None  # also evaluate whenever the policy has published this many versions more
-    pass_k: int = 0  # > 0: also report pass@k (k samples per task at the rollout temperature)
+    # also evaluate whenever the policy has published this many versions more
+    every_versions: int | None = None
+    # > 0: also report pass@k (k samples per task at the rollout temperature)
+    pass_k: int = 0
 
     def validate(self, key: str = "eval") -> None:
         _positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks)
         if self.pass_k < 0 or (self.every_versions is not None and self.every_versions < 1):
-            raise ValueError(f"{key}: pass_k must be >= 0 (0 = off) and every_versions >= 1 or null, got "
-                             f"{self.pass_k}, {self.every_versions}")
+            raise ValueError(f"{key}: pass_k must be >= 0 (0 = off) and every_versions >= 1 or "
+                             f"null, got {self.pass_k}, {self.every_versions}")
 
 
 @dataclass
@@ -399,14 +497,16 @@ class RunSpec:
     eval: EvalSpec = field(default_factory=EvalSpec)
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     progress: bool = True
-    # continue a previous run from its newest trainer checkpoint (a run directory) or from a given one
-    #   (<run dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that step
+    # continue a previous run from its newest trainer checkpoint (a run directory) or from a given
+    # one (<run dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that
+    # step
     resume_from: str | None = None
 
     def validate(self) -> RunSpec:
-        """Check every field and the rules between them; raise ValueError naming the key and the fix. Returns the
-        spec (`RunSpec(...).validate()` chains). The checks live in `astratk.validation`, which asks the modules that
-        own the names (loggers, engines, advantages, TLS); importing it here keeps this module a torch-free leaf."""
+        """Check every field and the rules between them; raise ValueError naming the key and the
+        fix. Returns the spec (`RunSpec(...).validate()` chains). The checks live in
+        `astratk.validation`, which asks the modules that own the names (loggers, engines,
+        advantages, TLS); importing it here keeps this module a torch-free leaf."""
         from astratk.validation import validate
 
         return validate(self)
@@ -415,7 +515,8 @@ class RunSpec:
         for p in self.policies:
             if p.policy_id == policy_id:
                 return p
-        raise KeyError(f"no policy {policy_id!r}; policies are {[p.policy_id for p in self.policies]}")
+        raise KeyError(f"no policy {policy_id!r}; policies are "
+                       f"{[p.policy_id for p in self.policies]}")
 
     def role_routes(self) -> dict[str, str]:
         """env role -> policy_id."""

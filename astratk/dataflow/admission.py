@@ -1,12 +1,15 @@
-"""`Admission`: what happens to a lease's groups when they arrive (AstraFlow's "after rollout" point; DESIGN §4.4).
+"""`Admission`: what happens to a lease's groups when they arrive (AstraFlow's "after rollout"
+point; DESIGN §4.4).
 
-For each group: unscored trajectories are dropped (counted); a group with none left is dropped as `empty`;
-advantages are computed once and fixed; curators learn from the curated role's rewards (before filters, so GRESO
-learns from what they drop); filters (zero-variance by default, length, format) drop groups, counted by their reason
-as `data/<policy>/groups_dropped_<reason>`; the rest go to their policy's buffer (`sink`).
+For each group: unscored trajectories are dropped (counted); a group with none left is dropped as
+`empty`; advantages are computed once and fixed; curators learn from the curated role's rewards
+(before filters, so GRESO learns from what they drop); filters (zero-variance by default, length,
+format) drop groups, counted by their reason as `data/<policy>/groups_dropped_<reason>`; the rest go
+to their policy's buffer (`sink`).
 
-Synchronous mode holds a round's results until the whole round is in (`hold`), then admits them in lease order
-(`flush`), so buffer order, curator updates and counters do not depend on which rollout finished first.
+Synchronous mode holds a round's results until the whole round is in (`hold`), then admits them in
+lease order (`flush`), so buffer order, curator updates and counters do not depend on which rollout
+finished first.
 """
 
 from __future__ import annotations
@@ -27,18 +30,21 @@ Learn = Callable[[Task, list[float], int], None]
 
 class Admission:
     def __init__(self, policies: Iterable[str], advantage: Callable[[list[float]], Sequence[float]],
-                 filters: dict[str, GroupFilter], sink: Sink, curated_role: str, learn: Learn | None = None) -> None:
+                 filters: dict[str, GroupFilter], sink: Sink, curated_role: str,
+                 learn: Learn | None = None) -> None:
         self._policies = tuple(policies)
         self._advantage = advantage
         self.filters = filters
         self._sink = sink
         self._curated_role = curated_role
         self._learn = learn
-        self._round: dict[str, list[Group]] = {}  # synchronous mode: results held until the round is complete
+        # synchronous mode: results held until the round is complete
+        self._round: dict[str, list[Group]] = {}
         self.counts: Counter[str] = Counter()
         self.drops = DropLedger()
         self._reward_sum: Counter[str] = Counter()
-        self._traj_sums: Counter[str] = Counter()  # "<pid>/<role>/<metric>" -> sum over received trajectories
+        # "<pid>/<role>/<metric>" -> sum over received trajectories
+        self._traj_sums: Counter[str] = Counter()
         self._traj_counts: Counter[str] = Counter()
 
     def admit(self, groups: Iterable[Group]) -> int:
@@ -63,15 +69,18 @@ class Admission:
     def _admit_group(self, group: Group) -> int:
         pid = group.policy_id
         if pid not in self._policies:
-            raise ValueError(f"group {group.group_id} is for unknown policy {pid!r}; policies: {list(self._policies)}")
+            raise ValueError(f"group {group.group_id} is for unknown policy {pid!r}; policies: "
+                             f"{list(self._policies)}")
         key = f"data/{pid}/"
         scored = tuple(t for t in group.trajectories if t.reward is not None)
         self.counts[key + "trajectories_unscored_dropped"] += len(group.trajectories) - len(scored)
         if len(scored) < len(group.trajectories):
-            self.drops.add("admission", "unscored", "trajectories", pid, len(group.trajectories) - len(scored))
+            self.drops.add("admission", "unscored", "trajectories", pid,
+                           len(group.trajectories) - len(scored))
         self.counts[key + "groups_received"] += 1
         self.counts[key + "samples_received"] += len(scored)
-        for t in group.trajectories:  # env metrics (turns, tool calls, tests passed...) per policy and role
+        # env metrics (turns, tool calls, tests passed...) per policy and role
+        for t in group.trajectories:
             for name, value in t.metrics.items():
                 k = f"{pid}/{t.role}/{name}"
                 self._traj_sums[k] += float(value)
@@ -82,7 +91,8 @@ class Admission:
             return 0
         rewards = [float(t.reward) for t in scored]  # type: ignore[arg-type]
         self._reward_sum[pid] += sum(rewards)
-        group = dataclasses.replace(group, trajectories=scored, advantages=tuple(self._advantage(rewards)))
+        group = dataclasses.replace(group, trajectories=scored,
+                                    advantages=tuple(self._advantage(rewards)))
         if self._learn is not None and group.role == self._curated_role:
             self._learn(group.task, rewards, group.version)
         for f in self.filters.values():
@@ -100,23 +110,26 @@ class Admission:
     def admitted(self, policy_id: str) -> int:
         return self.counts[f"data/{policy_id}/groups_admitted"]
 
-    # ------------------------------------------------------------------------------------ metrics, snapshot
+    # ---------------------------------------------------------------------------- metrics, snapshot
     def metrics(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counts.items()}
         for pid in self._policies:
             received = self.counts[f"data/{pid}/samples_received"]
             if received:
                 out[f"data/{pid}/reward_mean_received"] = self._reward_sum[pid] / received
-        for k, total in self._traj_sums.items():  # data/<pid>/traj/<role>/<metric>_mean
+        # data/<pid>/traj/<role>/<metric>_mean
+        for k, total in self._traj_sums.items():
             pid, role, name = k.split("/", 2)
-            out[f"data/{pid}/traj/{role}/{name.replace('/', '_')}_mean"] = total / self._traj_counts[k]
+            out[f"data/{pid}/traj/{role}/{name.replace('/', '_')}_mean"] = (
+                total / self._traj_counts[k])
         out["data/round_pending"] = float(len(self._round))
         for name, st in self.filters.items():
             out.update({f"data/stage/{name}/{k}": v for k, v in st.metrics().items()})
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"round": {lid: list(groups) for lid, groups in self._round.items()}, "counts": dict(self.counts),
+        return {"round": {lid: list(groups) for lid, groups in self._round.items()},
+                "counts": dict(self.counts),
                 "reward_sum": dict(self._reward_sum), "traj_sums": dict(self._traj_sums),
                 "traj_counts": dict(self._traj_counts), "drops": self.drops.state_dict(),
                 "filters": {k: st.state_dict() for k, st in self.filters.items()}}

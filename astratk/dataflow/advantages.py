@@ -1,8 +1,8 @@
 """Group advantages: pure functions of one group's rewards (ALGORITHMS §4 "Advantages").
 
-Selected by name in `DataflowSpec.advantage`: a short name from `astratk.registry.REGISTRY["advantage"]`, or the dotted
-path of any function `rewards -> advantages` (`mypkg.advantages.centred`). Add a built-in by writing a function here
-and a line in the registry.
+Selected by name in `DataflowSpec.advantage`: a short name from
+`astratk.registry.REGISTRY["advantage"]`, or the dotted path of any function `rewards -> advantages`
+(`mypkg.advantages.centred`). Add a built-in by writing a function here and a line in the registry.
 """
 
 from __future__ import annotations

@@ -1,24 +1,29 @@
-"""`BatchServer`: per-policy buffers, weight versions and step batches (AstraFlow's "at batch serving" point).
+"""`BatchServer`: per-policy buffers, weight versions and step batches (AstraFlow's "at batch
+serving" point).
 
-Versions. A policy's *published* version moves when its trainer publishes (`publish`). The version a trainer trains
-from at step k is `train_version(k) = max(published, k // publish_every)`: a data-parallel rank > 0 may ask for step
-k before rank 0 has published the weights of step k - 1, and the bound must hold at the step the batch is trained, on
-every rank.
+Versions. A policy's *published* version moves when its trainer publishes (`publish`). The version a
+trainer trains from at step k is `train_version(k) = max(published, k // publish_every)`: a
+data-parallel rank > 0 may ask for step k before rank 0 has published the weights of step k - 1, and
+the bound must hold at the step the batch is trained, on every rank.
 
 Serving a step's batch (`next_batch`), in order:
 - paused: nothing new is served (cached batches still are, for retries);
 - version barrier b: a policy's step-k batch waits until every other policy has published version
-  >= train_version(k) - b (versions compared with versions, each policy's own `publish_every` honoured; a policy that
-  has published its last version, `max_steps // publish_every`, holds nobody back);
-- synchronous mode: step k trains on version k's rollouts, and a round's policies train one after the other;
-- staleness: a buffered group is dropped (counted `groups_dropped_stale`) iff train_version - group.version >
-  max_staleness; replayed groups obey the same bound (`Replay.evict_older_than`);
+  >= train_version(k) - b (versions compared with versions, each policy's own `publish_every`
+  honoured; a policy that has published its last version, `max_steps // publish_every`, holds
+  nobody back);
+- synchronous mode: step k trains on version k's rollouts, and a round's policies train one after
+  the other;
+- staleness: a buffered group is dropped (counted `groups_dropped_stale`) iff
+  train_version - group.version > max_staleness; replayed groups obey the same bound
+  (`Replay.evict_older_than`);
 - replay, order, mixing and lag-decay weights (`astratk.dataflow.stages.serving`).
-A step's batch is assembled once, cached, and sharded `groups[rank::world_size]`, so every rank and every retry of the
-same (policy, step) sees the same groups.
+A step's batch is assembled once, cached, and sharded `groups[rank::world_size]`, so every rank and
+every retry of the same (policy, step) sees the same groups.
 
-Back-pressure: the server says how many new leases would fill every policy's `prefetch_steps` worth (`lease_room`);
-a policy whose trainer is not consuming keeps at most 4x that (oldest dropped, counted `groups_dropped_overflow`).
+Back-pressure: the server says how many new leases would fill every policy's `prefetch_steps` worth
+(`lease_room`); a policy whose trainer is not consuming keeps at most 4x that (oldest dropped,
+counted `groups_dropped_overflow`).
 """
 
 from __future__ import annotations
@@ -34,16 +39,19 @@ from astratk.dataflow.stages.base import ServingOrder, Stage
 from astratk.dataflow.stages.serving import Mixing, Replay, Staleness
 from astratk.records import Group, WeightRef
 
-CACHED_STEPS = 64  # served batches kept per policy for retries
+# served batches kept per policy for retries
+CACHED_STEPS = 64
 
 
 @dataclass
 class PolicyServing:
-    """One policy's serving configuration and stages (copies of the spec's templates: a replay buffer is per policy)."""
+    """One policy's serving configuration and stages (copies of the spec's templates: a replay
+    buffer is per policy)."""
 
     groups_per_step: int
     publish_every: int
-    final_version: int  # max_steps // publish_every: the last version its trainer publishes
+    # max_steps // publish_every: the last version its trainer publishes
+    final_version: int
     prefetch_groups: int
     staleness: Staleness
     order: ServingOrder
@@ -51,37 +59,41 @@ class PolicyServing:
     mixing: Mixing | None = None
 
     def stages(self) -> dict[str, Stage]:
-        named = {"staleness": self.staleness, "order": self.order, "replay": self.replay, "mixing": self.mixing}
+        named = {"staleness": self.staleness, "order": self.order, "replay": self.replay,
+                 "mixing": self.mixing}
         return {k: v for k, v in named.items() if v is not None}
 
     def fresh_needed(self) -> int:
-        return self.groups_per_step - (self.replay.share(self.groups_per_step) if self.replay else 0)
+        return self.groups_per_step - (self.replay.share(self.groups_per_step) if self.replay
+                                       else 0)
 
 
 class BatchServer:
     def __init__(self, policies: dict[str, PolicyServing], *, synchronous: bool = False,
                  version_barrier: int | None = None) -> None:
-        self.policies = policies  # in the spec's order (synchronous rounds train them in this order)
+        # in the spec's order (synchronous rounds train them in this order)
+        self.policies = policies
         self._sync = synchronous
         self._barrier = version_barrier
         self._buffers: dict[str, deque[Group]] = {pid: deque() for pid in policies}
         self._versions: dict[str, int] = {pid: 0 for pid in policies}
         self._refs: dict[str, WeightRef] = {}
-        self._served: dict[str, int] = {pid: 0 for pid in policies}  # steps whose batch was assembled
+        # steps whose batch was assembled
+        self._served: dict[str, int] = {pid: 0 for pid in policies}
         self._batches: OrderedDict[tuple[str, int], list[Group]] = OrderedDict()
         self.paused = False
         self.counts: Counter[str] = Counter()
         self.drops = DropLedger()
 
-    # ------------------------------------------------------------------------------------------------ versions
+    # ------------------------------------------------------------------------------------- versions
     def publish(self, ref: WeightRef) -> bool:
         """Record a published version; True when it moved."""
         pid = ref.policy_id
         if pid not in self._versions:
             raise ValueError(f"unknown policy {pid!r}; policies: {list(self._versions)}")
         if ref.version < self._versions[pid]:
-            raise ValueError(f"policy {pid!r}: version {ref.version} published after {self._versions[pid]}; "
-                             "versions must not go back")
+            raise ValueError(f"policy {pid!r}: version {ref.version} published after "
+                             f"{self._versions[pid]}; versions must not go back")
         moved = ref.version > self._versions[pid]
         self._versions[pid] = ref.version
         self._refs[pid] = ref
@@ -103,7 +115,7 @@ class BatchServer:
         """The version of the weights policy `policy_id` trains from at `step`."""
         return max(self._versions[policy_id], step // self.policies[policy_id].publish_every)
 
-    # ------------------------------------------------------------------------------------------------ buffers
+    # -------------------------------------------------------------------------------------- buffers
     def add(self, group: Group) -> None:
         self._buffers[group.policy_id].append(group)
 
@@ -111,10 +123,12 @@ class BatchServer:
         return len(self._buffers[policy_id])
 
     def lease_room(self) -> int:
-        """New leases (before those in flight are subtracted) that would bring the policy that wants data the most
-        to its prefetch target. While any policy wants data: one whose trainer waits (slower, or held by the barrier)
-        must not starve the others, which would deadlock the barrier; its surplus is capped instead."""
-        return max(p.prefetch_groups - len(self._cap_buffer(pid)) for pid, p in self.policies.items())
+        """New leases (before those in flight are subtracted) that would bring the policy that wants
+        data the most to its prefetch target. While any policy wants data: one whose trainer waits
+        (slower, or held by the barrier) must not starve the others, which would deadlock the
+        barrier; its surplus is capped instead."""
+        return max(p.prefetch_groups - len(self._cap_buffer(pid))
+                   for pid, p in self.policies.items())
 
     def round_short(self, policy_id: str) -> int:
         """Synchronous mode: fresh groups the policy's next step still lacks."""
@@ -135,7 +149,8 @@ class BatchServer:
         return buf
 
     def _drop_stale(self, policy_id: str, current: int | None = None) -> deque[Group]:
-        """Drop (counted) the policy's buffered groups that are stale at `current` (default: the published version)."""
+        """Drop (counted) the policy's buffered groups that are stale at `current` (default: the
+        published version)."""
         buf = self._buffers[policy_id]
         current = self._versions[policy_id] if current is None else current
         fresh = self.policies[policy_id].staleness.fresh(buf, current)
@@ -145,8 +160,9 @@ class BatchServer:
             buf = self._buffers[policy_id] = deque(fresh)
         return buf
 
-    # ------------------------------------------------------------------------------------------------ serving
-    def next_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1) -> list[Group] | None:
+    # -------------------------------------------------------------------------------------- serving
+    def next_batch(self, policy_id: str, step: int, rank: int = 0,
+                   world_size: int = 1) -> list[Group] | None:
         """This rank's share of `step`'s batch, or None if it cannot be served yet."""
         if policy_id not in self.policies:
             raise ValueError(f"unknown policy {policy_id!r}; policies: {list(self.policies)}")
@@ -159,7 +175,8 @@ class BatchServer:
                 return None
             self._batches[key] = groups
             self._served[policy_id] = max(self._served[policy_id], step + 1)
-            while len(self._batches) > CACHED_STEPS * len(self.policies):  # recent steps only, for retries
+            # recent steps only, for retries
+            while len(self._batches) > CACHED_STEPS * len(self.policies):
                 self._batches.popitem(last=False)
         return self._batches[key][rank::world_size]
 
@@ -172,8 +189,10 @@ class BatchServer:
         if self.behind_barrier(policy_id, step):
             self.counts[f"data/{policy_id}/barrier_waits"] += 1
             return None
-        if self._sync and (self._versions[policy_id] < step or self._earlier_policy_training(policy_id, step)):
-            return None  # synchronous: step k trains on version k's rollouts, one policy after the other
+        if self._sync and (self._versions[policy_id] < step
+                           or self._earlier_policy_training(policy_id, step)):
+            # synchronous: step k trains on version k's rollouts, one policy after the other
+            return None
         return self._take(policy_id, self.train_version(policy_id, step))
 
     def behind_barrier(self, policy_id: str, step: int) -> bool:
@@ -184,8 +203,9 @@ class BatchServer:
                    for pid, v in self._versions.items() if pid != policy_id)
 
     def _earlier_policy_training(self, policy_id: str, step: int) -> bool:
-        """Synchronous mode trains the policies of a round one after the other, in the spec's order (generate,
-        train A, train B): a policy's step-k batch waits until every earlier policy has published version k + 1."""
+        """Synchronous mode trains the policies of a round one after the other, in the spec's order
+        (generate, train A, train B): a policy's step-k batch waits until every earlier policy has
+        published version k + 1."""
         for pid in self._versions:
             if pid == policy_id:
                 return False
@@ -194,12 +214,13 @@ class BatchServer:
         return False
 
     def _take(self, policy_id: str, current: int) -> list[Group] | None:
-        """Assemble one batch trained at version `current`, or None when too few fresh groups are buffered; then
-        nothing changes but stale drops."""
+        """Assemble one batch trained at version `current`, or None when too few fresh groups are
+        buffered; then nothing changes but stale drops."""
         s = self.policies[policy_id]
         n = s.groups_per_step
         fresh = list(self._drop_stale(policy_id, current))
-        if s.replay:  # replayed groups are trained at `current` too: the staleness bound holds for them
+        # replayed groups are trained at `current` too: the staleness bound holds for them
+        if s.replay:
             s.replay.evict_older_than(current - s.staleness.max_staleness)
         n_fresh = n - (s.replay.share(n) if s.replay else 0)
         if len(fresh) < n_fresh:
@@ -221,7 +242,7 @@ class BatchServer:
         weight = staleness.weight(group.version, current)
         return group if weight == group.weight else dataclasses.replace(group, weight=weight)
 
-    # ------------------------------------------------------------------------------------ metrics, snapshot
+    # ---------------------------------------------------------------------------- metrics, snapshot
     def metrics(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counts.items()}
         for pid, buf in self._buffers.items():
@@ -233,8 +254,8 @@ class BatchServer:
         return out
 
     def state_dict(self, batches_kept: int | None = None) -> dict[str, Any]:
-        """With `batches_kept`, only each policy's newest `batches_kept` served batches (a retry only ever asks for
-        the current step's)."""
+        """With `batches_kept`, only each policy's newest `batches_kept` served batches (a retry
+        only ever asks for the current step's)."""
         batches = list(self._batches.items())
         if batches_kept is not None:
             steps: dict[str, list[int]] = {}
@@ -244,8 +265,9 @@ class BatchServer:
             batches = [(k, g) for k, g in batches if k in keep]
         return {"buffers": {pid: list(buf) for pid, buf in self._buffers.items()},
                 "batches": [(pid, step, list(groups)) for (pid, step), groups in batches],
-                "versions": dict(self._versions), "served": dict(self._served), "refs": dict(self._refs),
-                "paused": self.paused, "counts": dict(self.counts), "drops": self.drops.state_dict(),
+                "versions": dict(self._versions), "served": dict(self._served),
+                "refs": dict(self._refs), "paused": self.paused, "counts": dict(self.counts),
+                "drops": self.drops.state_dict(),
                 "stages": {pid: {k: st.state_dict() for k, st in s.stages().items()}
                            for pid, s in self.policies.items()}}
 
@@ -254,7 +276,8 @@ class BatchServer:
         for pid, serving in self.policies.items():
             same_keys(f"serving stages of policy {pid!r}", state["stages"][pid], serving.stages())
         self._buffers = {pid: deque(groups) for pid, groups in state["buffers"].items()}
-        self._batches = OrderedDict(((pid, step), list(groups)) for pid, step, groups in state["batches"])
+        self._batches = OrderedDict(((pid, step), list(groups))
+                                    for pid, step, groups in state["batches"])
         self._versions = dict(state["versions"])
         self._served = dict(state["served"])
         self._refs = dict(state["refs"])

@@ -1,13 +1,15 @@
-"""`DataLayerClient`: one way to talk to a `DataLayer`, whether it is a Dask actor or an in-process object.
+"""`DataLayerClient`: one way to talk to a `DataLayer`, whether it is a Dask actor or an in-process
+object.
 
-Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side polling, so the
-actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods one at a time).
+Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side
+polling, so the actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods
+one at a time).
 
-Recovery: the actor dies with its worker ("Worker holding Actor was lost", or "Unable to contact Actor's worker" for a
-call in flight). A client given `recover` (a callable that
-starts a replacement actor from the newest snapshot and returns it: `astratk.runtime.deploy`) swaps it in and
-retries the call; concurrent callers share one recovery. Pickled copies (inside rollout chains) have no `recover`:
-their calls fail, and the acquisition re-issues that work through its own client.
+Recovery: the actor dies with its worker ("Worker holding Actor was lost", or "Unable to contact
+Actor's worker" for a call in flight). A client given `recover` (a callable that starts a
+replacement actor from the newest snapshot and returns it: `astratk.runtime.deploy`) swaps it in and
+retries the call; concurrent callers share one recovery. Pickled copies (inside rollout chains) have
+no `recover`: their calls fail, and the acquisition re-issues that work through its own client.
 """
 
 from __future__ import annotations
@@ -26,20 +28,22 @@ if TYPE_CHECKING:
 class DataLayerClient:
     """Wraps a `DataLayer` or a `distributed.Actor` of one; picklable when it wraps an actor."""
 
-    def __init__(self, target: Any, call_timeout_s: float = 60.0, recover: Callable[[], Any] | None = None) -> None:
+    def __init__(self, target: Any, call_timeout_s: float = 60.0,
+                 recover: Callable[[], Any] | None = None) -> None:
         self.target = target
         self.call_timeout_s = call_timeout_s
         self.is_actor = type(target).__name__ == "Actor"
         self.recover = recover
         self.recoveries = 0
-        # An in-process DataLayer is shared by the trainer, acquisition and admit threads: serialise calls, as the
-        # actor does.
+        # An in-process DataLayer is shared by the trainer, acquisition and admit threads: serialise
+        # calls, as the actor does.
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         if not self.is_actor:
-            raise TypeError("an in-process DataLayer cannot cross processes; start it as an actor (astratk.runtime)")
+            raise TypeError("an in-process DataLayer cannot cross processes; start it as an actor "
+                            "(astratk.runtime)")
         return {"target": self.target, "call_timeout_s": self.call_timeout_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -55,17 +59,20 @@ class DataLayerClient:
             try:
                 return getattr(target, method)(*args, **kwargs).result(timeout=timeout)
             except TimeoutError:
-                raise TimeoutError(f"data layer call {method}() got no answer in {timeout:.0f}s; is the control "
-                                   "worker alive? (the data-layer actor dies with its worker)") from None
-            except (RuntimeError, OSError) as e:  # Dask says "Worker holding Actor was lost" (RuntimeError) or,
-                lost = "Actor was lost" in str(e) or "contact Actor's worker" in str(e)  # mid-call, OSError
+                raise TimeoutError(f"data layer call {method}() got no answer in {timeout:.0f}s; "
+                                   "is the control worker alive? (the data-layer actor dies with "
+                                   "its worker)") from None
+            # Dask says "Worker holding Actor was lost" (RuntimeError) or, mid-call, OSError
+            except (RuntimeError, OSError) as e:
+                lost = "Actor was lost" in str(e) or "contact Actor's worker" in str(e)
                 if not lost or self.recover is None or attempt:
                     raise
                 self._replace(target)
         raise AssertionError("unreachable")
 
-    # ------------------------------------------------------------------ one typed method per data-layer method
-    # (`astratk.dataflow.datalayer.DataLayer` documents each); `timeout` overrides `call_timeout_s` for one call.
+    # ------------------------------------------------------- one typed method per data-layer method
+    # (`astratk.dataflow.datalayer.DataLayer` documents each); `timeout` overrides `call_timeout_s`
+    # for one call.
     def lease(self, n: int) -> list[Lease]:
         return self._call("lease", n)
 
@@ -90,7 +97,8 @@ class DataLayerClient:
     def versions(self) -> dict[str, int]:
         return self._call("versions")
 
-    def next_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1) -> list[Group] | None:
+    def next_batch(self, policy_id: str, step: int, rank: int = 0,
+                   world_size: int = 1) -> list[Group] | None:
         return self._call("next_batch", policy_id, step, rank, world_size)
 
     def set_paused(self, paused: bool) -> None:
@@ -114,10 +122,11 @@ class DataLayerClient:
     def load_snapshot(self, url: str, name: str | None = None) -> dict[str, Any]:
         return self._call("load_snapshot", url, name)
 
-    def state_dict(self, batches_kept: int | None = None, timeout: float | None = None) -> dict[str, Any]:
+    def state_dict(self, batches_kept: int | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
         return self._call("state_dict", batches_kept, timeout=timeout)
 
-    # ------------------------------------------------------------------------------------------------ plumbing
+    # ------------------------------------------------------------------------------------- plumbing
     def _replace(self, lost: Any) -> None:
         """Start a replacement for the lost actor `lost`, unless another caller already has."""
         with self._recover_lock:
@@ -127,8 +136,8 @@ class DataLayerClient:
 
     def wait_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1, *,
                    timeout: float = 300.0, poll_s: float = 0.02) -> list[Group]:
-        """Poll `next_batch` until it is ready; after `timeout` seconds raise TimeoutError naming the wait (and the
-        data layer's counters, to show where samples went)."""
+        """Poll `next_batch` until it is ready; after `timeout` seconds raise TimeoutError naming
+        the wait (and the data layer's counters, to show where samples went)."""
         start = time.monotonic()
         delay = poll_s
         checked = start
@@ -137,14 +146,16 @@ class DataLayerClient:
             if groups is not None:
                 return groups
             now = time.monotonic()
-            if now - checked > 1.0:  # a paused run is not a stalled one: the timeout restarts after the pause
+            # a paused run is not a stalled one: the timeout restarts after the pause
+            if now - checked > 1.0:
                 checked = now
                 if self.is_paused():
                     start = now
             waited = time.monotonic() - start
             if waited > timeout:
                 status = self.status()
-                raise TimeoutError(f"waited {waited:.0f}s for policy {policy_id!r} step {step} batch (rank {rank}/"
-                                   f"{world_size}); rollouts did not fill the buffer. Data layer: {status}")
+                raise TimeoutError(f"waited {waited:.0f}s for policy {policy_id!r} step {step} "
+                                   f"batch (rank {rank}/{world_size}); rollouts did not fill the "
+                                   f"buffer. Data layer: {status}")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.25)

@@ -1,7 +1,9 @@
-"""`DropLedger`: every drop on the data path as a value (`astratk.records.Drop`), kept beside the flat counters.
+"""`DropLedger`: every drop on the data path as a value (`astratk.records.Drop`), kept beside the
+flat counters.
 
-Each part of the data layer counts its drops here with their stage, reason, unit and policy, so readers (the run's
-metrics, dashboards, the model checker) get records instead of parsing counter names.
+Each part of the data layer counts its drops here with their stage, reason, unit and policy, so
+readers (the run's metrics, dashboards, the model checker) get records instead of parsing counter
+names.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class DropLedger:
         self._counts[(stage, reason, unit, policy)] += n
 
     def records(self) -> list[Drop]:
-        return [Drop(*key, count=float(n)) for key, n in self._counts.items()]  # type: ignore[arg-type]
+        return [Drop(*key, count=float(n))  # type: ignore[arg-type]
+                for key, n in self._counts.items()]
 
     def state_dict(self) -> list[tuple[Any, ...]]:
         return [(*key, n) for key, n in self._counts.items()]

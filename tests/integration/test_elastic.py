@@ -144,8 +144,8 @@ def test_workers_join_and_die_without_losing_or_duplicating_work(tmp_path):
     received = counters["data/main/groups_received"]
     assert received == acc["tasks_completed"]
     assert counters["data/main/groups_admitted"] == received - counters.get("data/main/groups_dropped_empty", 0)
-    served = [g.group_id for _, _, groups in state["batches"] for g in groups]
-    buffered = [g.group_id for g in state["buffers"]["main"]]
+    served = [g.group_id for _, _, groups in state["serving"]["batches"] for g in groups]
+    buffered = [g.group_id for g in state["serving"]["buffers"]["main"]]
     assert len(served) == STEPS * 4
     assert len(set(served + buffered)) == len(served + buffered)
     assert counters["data/main/groups_admitted"] == len(served) + len(buffered) + counters.get(

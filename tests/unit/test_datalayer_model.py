@@ -1,24 +1,28 @@
-"""A model checker for the data layer: hypothesis drives a real `DataLayer` through random interleavings and checks
-the data path's invariants after every step.
+"""A model checker for the data layer: hypothesis drives a real `DataLayer` through random
+interleavings and checks the data path's invariants after every step.
 
-Configurations: one or two policies (solver + verifier), one or two data-parallel ranks, version barrier off / 0 / 1,
-synchronous mode on / off, publish_every 1 or 2, staleness bounds 0-2, replay, EDF, lag decay, a length filter,
-1-3 attempts per task. Operations: lease, the clock moving (leases expire), rollout results arriving (fresh, late,
-duplicated, after their lease was dropped, unscored or without signal), rollouts failing, trainer ranks asking for
-their step's batch, rank 0 publishing (possibly after the other ranks already asked for the next step), pausing,
-snapshots, a lost data layer replaced from its last snapshot (with its trainers resumed from the matching
-checkpoint), and an exact copy of the layer restored from `state_dict` that must then answer every call as the
+Configurations: one or two policies (solver + verifier), one or two data-parallel ranks, version
+barrier off / 0 / 1, synchronous mode on / off, publish_every 1 or 2, staleness bounds 0-2, replay,
+EDF, lag decay, a length filter, 1-3 attempts per task. Operations: lease, the clock moving (leases
+expire), rollout results arriving (fresh, late, duplicated, after their lease was dropped, unscored
+or without signal), rollouts failing, trainer ranks asking for their step's batch, rank 0 publishing
+(possibly after the other ranks already asked for the next step), pausing, snapshots, a lost data
+layer replaced from its last snapshot (with its trainers resumed from the matching checkpoint), and
+an exact copy of the layer restored from `state_dict` that must then answer every call as the
 original does.
 
 Invariants:
-- every lease ends admitted once or dropped with a counted reason: the layer's lease accounting balances exactly,
-  and no lease id is admitted twice;
+- every lease ends admitted once or dropped with a counted reason: the layer's lease accounting
+  balances exactly, and no lease id is admitted twice;
 - no group joins a buffer twice (without replay, no group is served twice);
-- every served group is within its policy's staleness bound at the version its batch is trained from;
-- no deadlock: while every trainer keeps asking and rollouts come back, some unfinished policy makes progress;
+- every served group is within its policy's staleness bound at the version its batch is trained
+  from;
+- no deadlock: while every trainer keeps asking and rollouts come back, some unfinished policy makes
+  progress;
 - the restored copy behaves exactly as the original (same answers, same metrics).
 
-Run longer with `pytest tests/unit/test_datalayer_model.py --hypothesis-profile=long` (profiles in tests/conftest.py).
+Run longer with `pytest tests/unit/test_datalayer_model.py --hypothesis-profile=long` (profiles in
+tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -52,15 +56,19 @@ class Clock:
 
 @dataclass
 class Trainer:
-    """One policy's data-parallel trainer as the data layer sees it: all ranks take step k's batch, then the step
-    completes; rank 0 publishes after a publishing step, and only then asks for the next batch."""
+    """One policy's data-parallel trainer as the data layer sees it: all ranks take step k's batch,
+    then the step completes; rank 0 publishes after a publishing step, and only then asks for the
+    next batch."""
 
     policy_id: str
     publish_every: int
     world_size: int
-    step: int = 0  # the step whose batch the ranks ask for
-    got: set[int] = field(default_factory=set)  # ranks holding this step's batch
-    pending_publish: int | None = None  # version rank 0 still has to publish
+    # the step whose batch the ranks ask for
+    step: int = 0
+    # ranks holding this step's batch
+    got: set[int] = field(default_factory=set)
+    # version rank 0 still has to publish
+    pending_publish: int | None = None
 
     @property
     def version(self) -> int:
@@ -71,15 +79,19 @@ class Trainer:
 @dataclass
 class Rollout:
     lease: Lease
-    versions: dict[str, int]  # the policies' versions when the rollout started (its behaviour versions)
+    # the policies' versions when the rollout started (its behaviour versions)
+    versions: dict[str, int]
 
 
-def _groups(lease: Lease, versions: dict[str, int], rewards: tuple[float | None, ...], long: bool) -> list[Group]:
+def _groups(lease: Lease, versions: dict[str, int], rewards: tuple[float | None, ...],
+            long: bool) -> list[Group]:
     tokens = (1, 2, 3, 4, 5, 6, 7, 8) if long else (1, 2, 3)
     out = []
     for role, pid in lease.routes.items():
-        trajs = tuple(Trajectory(task_id=lease.task.task_id, group_id=f"{lease.lease_id}/{role}/{i}", policy_id=pid,
-                                 role=role, tokens=tokens, n_prompt=2, loss_mask=(1,) * (len(tokens) - 2),
+        trajs = tuple(Trajectory(task_id=lease.task.task_id,
+                                 group_id=f"{lease.lease_id}/{role}/{i}", policy_id=pid,
+                                 role=role, tokens=tokens, n_prompt=2,
+                                 loss_mask=(1,) * (len(tokens) - 2),
                                  behavior_logprobs=(-1.0,) * (len(tokens) - 2),
                                  behavior_versions=(versions[pid],) * (len(tokens) - 2), reward=r)
                       for i, r in enumerate(rewards))
@@ -107,7 +119,8 @@ configs = st.fixed_dictionaries({
 
 def _spec(c: dict) -> RunSpec:
     def trainer(own: int | None) -> TrainerSpec:
-        return TrainerSpec(groups_per_step=c["groups_per_step"], max_steps=MAX_STEPS, max_staleness=own,
+        return TrainerSpec(groups_per_step=c["groups_per_step"], max_steps=MAX_STEPS,
+                           max_staleness=own,
                            publish_every=1 if c["synchronous"] else c["publish_every"])
 
     if c["policies"] == 1:
@@ -118,8 +131,9 @@ def _spec(c: dict) -> RunSpec:
                     PolicySpec("verifier", roles=["verifier"], trainer=trainer(None))]
     dataflow = DataflowSpec(
         lease_timeout_s=10.0, max_staleness=c["max_staleness"], prefetch_steps=c["prefetch_steps"],
-        max_task_attempts=c["max_task_attempts"], synchronous=c["synchronous"], lag_decay=c["lag_decay"],
-        version_barrier=c["barrier"] if c["policies"] == 2 else None, order=EDF() if c["edf"] else FIFO(),
+        max_task_attempts=c["max_task_attempts"], synchronous=c["synchronous"],
+        lag_decay=c["lag_decay"], version_barrier=c["barrier"] if c["policies"] == 2 else None,
+        order=EDF() if c["edf"] else FIFO(),
         replay=Replay(ratio=c["replay"]) if c["replay"] else None,
         filters=[LengthFilter(max_tokens=5)] if c["length_filter"] else [])
     return RunSpec(env=env, policies=policies, dataflow=dataflow)
@@ -133,30 +147,36 @@ class DataLayerMachine(RuleBasedStateMachine):
         self.spec = _spec(c).validate()
         self.clock = Clock()
         self.dl = DataLayer(self.spec, clock=self.clock)
-        self.shadow: DataLayer | None = None  # an exact copy restored from state_dict: must answer as dl does
+        # an exact copy restored from state_dict: must answer as dl does
+        self.shadow: DataLayer | None = None
         self.trainers = {p.policy_id: Trainer(p.policy_id, p.trainer.publish_every, c["world_size"])
                          for p in self.spec.policies}
         self.bounds = {p.policy_id: 0 if c["synchronous"] else
-                       (c["max_staleness"] if p.trainer.max_staleness is None else p.trainer.max_staleness)
+                       (c["max_staleness"] if p.trainer.max_staleness is None
+                        else p.trainer.max_staleness)
                        for p in self.spec.policies}
-        self.running: list[Rollout] = []  # rollouts started and not yet returned or failed (a result may repeat)
-        self.admitted: dict[str, int] = {}  # lease id -> admissions that the layer accepted
+        # rollouts started and not yet returned or failed (a result may repeat)
+        self.running: list[Rollout] = []
+        # lease id -> admissions that the layer accepted
+        self.admitted: dict[str, int] = {}
         self.served_fresh: set[str] = set()
-        self.saved: tuple[bytes, bytes] | None = None  # (layer state, model state) at the last snapshot
+        # (layer state, model state) at the last snapshot
+        self.saved: tuple[bytes, bytes] | None = None
 
-    # ------------------------------------------------------------------------------------------------ helpers
+    # -------------------------------------------------------------------------------------- helpers
     def both(self, method: str, *args):
         """Call `method` on the layer and its restored copy; both must answer the same."""
         out = getattr(self.dl, method)(*args)
         if self.shadow is not None:
             other = getattr(self.shadow, method)(*args)
-            assert other == out, f"restored copy answered {method}{args} with {other!r}, the original {out!r}"
+            assert other == out, (f"restored copy answered {method}{args} with {other!r}, the "
+                                  f"original {out!r}")
         return out
 
     def _finished(self, pid: str) -> bool:
         return self.trainers[pid].step >= MAX_STEPS
 
-    # -------------------------------------------------------------------------------------------------- rules
+    # ---------------------------------------------------------------------------------------- rules
     @rule(n=st.integers(0, 4))
     def lease(self, n: int) -> None:
         versions = self.dl.versions()
@@ -168,13 +188,17 @@ class DataLayerMachine(RuleBasedStateMachine):
         self.clock.now += dt
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), keep=st.booleans(), outcome=st.sampled_from(["signal", "signal", "flat", "unscored", "long"]))
+    @rule(data=st.data(), keep=st.booleans(),
+          outcome=st.sampled_from(["signal", "signal", "flat", "unscored", "long"]))
     def result(self, data, keep: bool, outcome: str) -> None:
-        """A rollout's result arrives (possibly again later: `keep`), whatever became of its lease meanwhile."""
+        """A rollout's result arrives (possibly again later: `keep`), whatever became of its lease
+        meanwhile."""
         i = data.draw(st.integers(0, len(self.running) - 1))
         r = self.running[i] if keep else self.running.pop(i)
-        rewards = {"signal": (1.0, 0.0), "flat": (1.0, 1.0), "unscored": (None, None), "long": (0.0, 1.0)}[outcome]
-        out = self.both("admit", r.lease.lease_id, _groups(r.lease, r.versions, rewards, outcome == "long"))
+        rewards = {"signal": (1.0, 0.0), "flat": (1.0, 1.0), "unscored": (None, None),
+                   "long": (0.0, 1.0)}[outcome]
+        out = self.both("admit", r.lease.lease_id,
+                        _groups(r.lease, r.versions, rewards, outcome == "long"))
         self._count_admission(r.lease.lease_id, out.status)
 
     def _count_admission(self, lease_id: str, status: str) -> None:
@@ -186,8 +210,8 @@ class DataLayerMachine(RuleBasedStateMachine):
 
     @rule(first=st.booleans())
     def slow_rollout(self, first: bool) -> None:
-        """A task whose every attempt outlives its lease until the lease is dropped; then one attempt's result
-        arrives (the first, or the last)."""
+        """A task whose every attempt outlives its lease until the lease is dropped; then one
+        attempt's result arrives (the first, or the last)."""
         versions = self.dl.versions()
         leases = self.both("lease", 1)
         if not leases:
@@ -214,7 +238,8 @@ class DataLayerMachine(RuleBasedStateMachine):
         self.rollouts_return(n, flat)
 
     def rollouts_return(self, n: int, flat: bool) -> None:
-        """The common path: tasks leased, rolled out and admitted at once (one without signal when `flat`)."""
+        """The common path: tasks leased, rolled out and admitted at once (one without signal when
+        `flat`)."""
         versions = self.dl.versions()
         for i, lease in enumerate(self.both("lease", n)):
             rewards = (1.0, 1.0) if flat and i == 0 else (1.0, 0.0)
@@ -229,8 +254,8 @@ class DataLayerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), n=st.integers(0, 3), publish=st.booleans())
     def train(self, data, n: int, publish: bool) -> None:
-        """The common path, for one trainer: `n` tasks rolled out and admitted at once, every rank asks (the others
-        before rank 0), and rank 0 publishes now or later."""
+        """The common path, for one trainer: `n` tasks rolled out and admitted at once, every rank
+        asks (the others before rank 0), and rank 0 publishes now or later."""
         pid = data.draw(st.sampled_from(sorted(self.trainers)))
         self.rollouts_return(n, flat=False)
         for rank in reversed(range(self.trainers[pid].world_size)):
@@ -248,12 +273,13 @@ class DataLayerMachine(RuleBasedStateMachine):
         t.got.add(rank)
         for g in batch:
             assert t.version - g.version <= self.bounds[pid], (
-                f"{pid} step {t.step} trains from version {t.version} a group of version {g.version} "
-                f"(bound {self.bounds[pid]})")
+                f"{pid} step {t.step} trains from version {t.version} a group of version "
+                f"{g.version} (bound {self.bounds[pid]})")
             if not self.c["replay"]:
                 assert g.group_id not in self.served_fresh, f"group {g.group_id} served twice"
                 self.served_fresh.add(g.group_id)
-        if len(t.got) == t.world_size:  # every rank has its share: the optimiser step runs
+        # every rank has its share: the optimiser step runs
+        if len(t.got) == t.world_size:
             t.step += 1
             t.got.clear()
             if t.step % t.publish_every == 0:
@@ -266,7 +292,8 @@ class DataLayerMachine(RuleBasedStateMachine):
     def _publish(self, pid: str) -> None:
         t = self.trainers[pid]
         if t.pending_publish is not None:
-            self.both("publish_version", WeightRef(pid, t.pending_publish, f"memory://{pid}/{t.pending_publish}"))
+            self.both("publish_version",
+                      WeightRef(pid, t.pending_publish, f"memory://{pid}/{t.pending_publish}"))
             t.pending_publish = None
 
     @rule(paused=st.booleans())
@@ -275,15 +302,17 @@ class DataLayerMachine(RuleBasedStateMachine):
 
     @rule()
     def snapshot(self) -> None:
-        """A data-layer snapshot with the matching trainer checkpoints (what a resumed run starts from)."""
+        """A data-layer snapshot with the matching trainer checkpoints (what a resumed run starts
+        from)."""
         model = (self.trainers, self.admitted, self.served_fresh)
         self.saved = (pickle.dumps(self.dl.state_dict()), pickle.dumps(model))
 
     @precondition(lambda self: self.saved is not None)
     @rule()
     def lose_layer(self) -> None:
-        """The data layer's worker dies: a replacement restores the last snapshot and the trainers resume from their
-        matching checkpoints. Rollouts still running may return to the replacement."""
+        """The data layer's worker dies: a replacement restores the last snapshot and the trainers
+        resume from their matching checkpoints. Rollouts still running may return to the
+        replacement."""
         state, model = self.saved  # type: ignore[misc]
         self.dl = DataLayer.restore(self.spec, pickle.loads(state), clock=self.clock)
         self.trainers, self.admitted, self.served_fresh = pickle.loads(model)
@@ -291,11 +320,12 @@ class DataLayerMachine(RuleBasedStateMachine):
 
     @rule()
     def copy_layer(self) -> None:
-        """An exact copy from `state_dict` (not a restore: leases stay out) that must then answer as the original."""
+        """An exact copy from `state_dict` (not a restore: leases stay out) that must then answer as
+        the original."""
         self.shadow = DataLayer(self.spec, clock=self.clock)
         self.shadow.load_state_dict(pickle.loads(pickle.dumps(self.dl.state_dict())))
 
-    # ------------------------------------------------------------------------------------------- invariants
+    # ----------------------------------------------------------------------------------- invariants
     @invariant()
     def leases_balance(self) -> None:
         m = self.dl.metrics()
@@ -307,9 +337,11 @@ class DataLayerMachine(RuleBasedStateMachine):
         assert drops.get(("rollout", "failed", ""), 0) == m.get("data/tasks_dropped_failed", 0)
         for pid in self.trainers:
             for reason in ("stale", "overflow"):
-                assert drops.get(("serving", reason, pid), 0) == m.get(f"data/{pid}/groups_dropped_{reason}", 0)
+                assert (drops.get(("serving", reason, pid), 0)
+                        == m.get(f"data/{pid}/groups_dropped_{reason}", 0))
             for reason in ("zero_variance", "too_long", "empty"):
-                assert drops.get(("admission", reason, pid), 0) == m.get(f"data/{pid}/groups_dropped_{reason}", 0)
+                assert (drops.get(("admission", reason, pid), 0)
+                        == m.get(f"data/{pid}/groups_dropped_{reason}", 0))
 
     @invariant()
     def copy_matches(self) -> None:
@@ -325,8 +357,9 @@ class DataLayerMachine(RuleBasedStateMachine):
             self.check_progress()
 
     def check_progress(self) -> None:
-        """Liveness: on a copy, keep every trainer asking and every rollout returning (with a learning signal): every
-        trainer must reach its last step within a bounded number of rounds (so no reachable state deadlocks)."""
+        """Liveness: on a copy, keep every trainer asking and every rollout returning (with a
+        learning signal): every trainer must reach its last step within a bounded number of rounds
+        (so no reachable state deadlocks)."""
         clock = Clock()
         clock.now = self.clock.now
         dl = DataLayer(self.spec, clock=clock)
@@ -338,7 +371,8 @@ class DataLayerMachine(RuleBasedStateMachine):
         for _ in range(20 * MAX_STEPS):
             if all(t.step >= MAX_STEPS for t in trainers.values()):
                 return
-            clock.now += 11.0  # leases of lost rollouts expire and are re-issued
+            # leases of lost rollouts expire and are re-issued
+            clock.now += 11.0
             versions = dl.versions()
             running += [Rollout(lease, dict(versions)) for lease in dl.lease(8)]
             for r in running:
@@ -348,14 +382,16 @@ class DataLayerMachine(RuleBasedStateMachine):
                 if t.pending_publish is not None:
                     dl.publish_version(WeightRef(pid, t.pending_publish, "memory://x"))
                     t.pending_publish = None
-                while t.step < MAX_STEPS and all(dl.next_batch(pid, t.step, r, t.world_size) is not None
-                                                 for r in range(t.world_size)):
+                while t.step < MAX_STEPS and all(
+                        dl.next_batch(pid, t.step, r, t.world_size) is not None
+                        for r in range(t.world_size)):
                     t.step += 1
                     if t.step % t.publish_every == 0:
                         t.pending_publish = t.step // t.publish_every
                         break
         steps = {pid: t.step for pid, t in trainers.items()}
-        raise AssertionError(f"deadlock: trainers stuck at steps {steps} (from {start}) while asking and rollouts "
-                             f"return; data layer: {dl.status()}")
+        raise AssertionError(f"deadlock: trainers stuck at steps {steps} (from {start}) while "
+                             f"asking and rollouts return; data layer: {dl.status()}")
 
-TestDataLayerModel = DataLayerMachine.TestCase  # settings: the active hypothesis profile (tests/conftest.py)
+# settings: the active hypothesis profile (tests/conftest.py)
+TestDataLayerModel = DataLayerMachine.TestCase

@@ -300,9 +300,11 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["astratk", "astratk.spec"])
+@pytest.mark.parametrize("module", ["astratk", "astratk.spec", "astratk.models.chat", "astratk.dataflow.leases"])
 def test_importing_loads_no_torch(module):
-    """A fresh interpreter: `import astratk.spec` (and the package) must not load torch."""
+    """A fresh interpreter: `import astratk.spec` (and the package) must not load torch; neither must the chat
+    encoding envs import (an env built for a spec's default would pay torch and transformers' import time, ~5 s) nor
+    the data layer's lease book."""
     out = subprocess.run([sys.executable, "-c", _PROBE.replace("{module}", module)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT, check=False)
     assert out.returncode == 0, f"`import {module}` loads torch, first through:\n{out.stdout}{out.stderr}"
