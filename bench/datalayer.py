@@ -93,7 +93,7 @@ def run(scenario: str, args: argparse.Namespace) -> dict[str, float]:
             step += 1
             version += 1
             dl.publish_version(WeightRef("main", version, "memory://bench"))
-    backlog = backlog_latency(dl, step, version, rng, args)
+    backlog = backlog_latency(dl, scenario, step, version, rng, args)
     t0 = time.perf_counter()
     blob = pickle.dumps(dl.state_dict())
     snap_ms = (time.perf_counter() - t0) * 1e3
@@ -106,23 +106,30 @@ def run(scenario: str, args: argparse.Namespace) -> dict[str, float]:
             **{k.rsplit("/", 1)[1]: v for k, v in m.items() if v and ("dropped" in k or "skipped" in k)}}
 
 
-def backlog_latency(dl: DataLayer, step: int, version: int, rng: random.Random,
+def backlog_latency(dl: DataLayer, scenario: str, step: int, version: int, rng: random.Random,
                     args: argparse.Namespace) -> dict[str, float]:
-    """Fill the buffer to `--backlog` groups (admitting past back-pressure, as a burst of late rollouts would), then
-    time assembling batches from it."""
-    want, i = args.backlog + 20 * args.groups_per_step, 0
+    """Fill the buffer to `--backlog` groups, then time assembling batches from it. Results are admitted only for
+    leases the layer issued, and back-pressure would stop leasing long before: the layer's state moves into one
+    whose prefetch allows the backlog (a run with a deep `prefetch_steps`), which then leases and admits it."""
+    want = args.backlog
+    deep = DataLayer(make_spec(scenario, args.groups_per_step, want / args.groups_per_step + 2))
+    deep.load_state_dict(dl.state_dict())
+    dl = deep
     while dl.metrics()["data/main/buffer_groups"] < want:  # filters drop some: admit until the buffer holds enough
-        for _ in range(64):
-            task = Task(f"late/{i}", "a", "1+1=", info={"level": 1})
-            dl.admit(f"late{i}", [make_group(task, f"late{i}", max(0, version - rng.randrange(4)), rng, args.samples,
-                                             args.tokens)])
-            i += 1
-    times = []
-    for k in range(20):
+        leases = dl.lease(64)
+        assert leases, "the deep layer leased nothing: raise its prefetch"
+        for lease in leases:
+            dl.admit(lease.lease_id, [make_group(lease.task, lease.lease_id, max(0, version - rng.randrange(4)), rng,
+                                                 args.samples, args.tokens)])
+    # The same step assembled 20 times from the same backlog (the state restored before each, outside the timer):
+    # later steps would train from later versions, and the backlog would go stale under them.
+    state, times = pickle.dumps(dl.state_dict()), []
+    for _ in range(20):
+        dl.load_state_dict(pickle.loads(state))
         t0 = time.perf_counter()
-        batch = dl.next_batch("main", step + k)
+        batch = dl.next_batch("main", step)
         times.append((time.perf_counter() - t0) * 1e3)
-        assert batch is not None, "backlog too small for 20 batches"
+        assert batch is not None, "the backlog holds no batch for this step"
     return {"backlog_groups": float(args.backlog), "backlog_next_batch_p50_ms": statistics.median(times)}
 
 
