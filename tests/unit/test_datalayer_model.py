@@ -2,7 +2,7 @@
 interleavings and checks the data path's invariants after every step.
 
 Configurations: one or two policies (solver + verifier), one or two data-parallel ranks, version
-barrier off / 0 / 1, synchronous mode on / off, publish_every 1 or 2, staleness bounds 0-2, replay,
+barrier off / 0 / 1, synchronous mode on / off, publish_every 1-3 (per policy), staleness bounds 0-2, replay,
 EDF, lag decay, a length filter, 1-3 attempts per task. Operations: lease, the clock moving (leases
 expire), rollout results arriving (fresh, late, duplicated, after their lease was dropped, unscored
 or without signal), rollouts failing, trainer ranks asking for their step's batch, rank 0 publishing
@@ -105,6 +105,7 @@ configs = st.fixed_dictionaries({
     "barrier": st.sampled_from([None, 0, 1]),
     "synchronous": st.booleans(),
     "publish_every": st.sampled_from([1, 2]),
+    "verifier_publish_every": st.sampled_from([1, 2, 3]),
     "max_staleness": st.sampled_from([0, 1, 2]),
     "own_staleness": st.sampled_from([None, 0, 1]),
     "groups_per_step": st.sampled_from([1, 2, 3]),
@@ -118,17 +119,20 @@ configs = st.fixed_dictionaries({
 
 
 def _spec(c: dict) -> RunSpec:
-    def trainer(own: int | None) -> TrainerSpec:
+    def trainer(own: int | None, publish_every: int) -> TrainerSpec:
         return TrainerSpec(groups_per_step=c["groups_per_step"], max_steps=MAX_STEPS,
-                           max_staleness=own,
-                           publish_every=1 if c["synchronous"] else c["publish_every"])
+                           max_staleness=own, publish_every=1 if c["synchronous"] else publish_every)
 
     if c["policies"] == 1:
-        env, policies = ArithmeticEnv(), [PolicySpec(trainer=trainer(c["own_staleness"]))]
+        env = ArithmeticEnv()
+        policies = [PolicySpec(trainer=trainer(c["own_staleness"], c["publish_every"]))]
     else:
         env = SolverVerifierEnv()
-        policies = [PolicySpec("solver", roles=["solver"], trainer=trainer(c["own_staleness"])),
-                    PolicySpec("verifier", roles=["verifier"], trainer=trainer(None))]
+        # each policy its own publication cadence: the barrier compares versions that move at different rates
+        policies = [PolicySpec("solver", roles=["solver"],
+                               trainer=trainer(c["own_staleness"], c["publish_every"])),
+                    PolicySpec("verifier", roles=["verifier"],
+                               trainer=trainer(None, c["verifier_publish_every"]))]
     dataflow = DataflowSpec(
         lease_timeout_s=10.0, max_staleness=c["max_staleness"], prefetch_steps=c["prefetch_steps"],
         max_task_attempts=c["max_task_attempts"], synchronous=c["synchronous"],
