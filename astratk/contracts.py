@@ -1,4 +1,4 @@
-"""The contracts the autonomous components meet through (DESIGN §3): engines, envs and losses.
+"""The contracts the autonomous components meet through: engines, envs and losses.
 
 Core code depends on these and never on a concrete env or loss; configs name implementations by dotted path or by a
 registry short name (`astratk.registry`).
@@ -172,7 +172,7 @@ class LossInputs:
     #   token_losses but never the returned mask, so they do not change aggregation denominators
     # Filled by the trainer only when the loss asks for them (PolicyLoss.needs_*):
     proximal_logprobs: torch.Tensor | None = None  # [B, T] log pi_old: the trainer's no-grad forward at the start
-    #   of the step (ALGORITHMS §1); recompute-anchored ablations, M2PO's clip form, TIS/MIS
+    #   of the step (the proximal policy); recompute-anchored ablations, M2PO's clip form, TIS/MIS
     topk_ids: torch.Tensor | None = None  # [B, T, K] int64, the engine's top-K token ids at each position
     topk_behavior_logprobs: torch.Tensor | None = None  # [B, T, K] log mu of those ids (sampling temperature)
     topk_logprobs: torch.Tensor | None = None  # [B, T, K] log pi of those ids (requires grad)

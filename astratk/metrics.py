@@ -1,4 +1,4 @@
-"""Run metrics as one `xarray.Dataset` (DESIGN §5): training steps, held-out evaluations, data-layer counters, drops
+"""Run metrics as one `xarray.Dataset`: training steps, held-out evaluations, data-layer counters, drops
 and rollout-service throughput.
 
 Layout (per-policy variables have a `policy` dimension, so multi-policy runs share one dataset):

@@ -1,4 +1,4 @@
-"""The small, typed records that cross component boundaries (DESIGN §2).
+"""The small, typed records that cross component boundaries (docs/architecture.md, "Records").
 
 Only these records and `WeightRef`s cross Dask's scheduler; tensors move through the weight store or
 are built by the trainer (`TrainBatch` is collated trainer-side from the groups the data layer
@@ -119,8 +119,8 @@ class Group:
 
     @functools.cached_property
     def version(self) -> int:
-        """A group's version is the lowest version on any of its tokens (ALGORITHMS §5: staleness
-        semantics). Cached: serving reads it for every buffered group at every step (fields are
+        """A group's version is the lowest version on any of its tokens (the version staleness
+        compares). Cached: serving reads it for every buffered group at every step (fields are
         frozen, so it cannot change)."""
         versions = [v for v in (t.version for t in self.trajectories) if v >= 0]
         return min(versions) if versions else -1

@@ -1,4 +1,4 @@
-"""Short names for plug-ins: explicit dicts of short name -> dotted path (STYLE rule 4).
+"""Short names for plug-ins: explicit dicts of short name -> dotted path.
 
 A config may name a plug-in by short name (`drpo`) or by any dotted path (`mypkg.losses.MyLoss`). Adding a built-in
 is one line here; user code never needs to register anything, it just uses its dotted path.

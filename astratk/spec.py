@@ -1,4 +1,4 @@
-"""`RunSpec`: the one configuration schema (DESIGN §2), shared by the notebook, the CLI and cluster
+"""`RunSpec`: the one configuration schema, shared by the notebook, the CLI and cluster
 jobs.
 
 Plain dataclasses: defaults live here once, YAML only overrides (parsed by jsonargparse in

@@ -149,7 +149,7 @@ class AstraAccessor:
         return long.hvplot.line(x="step", y="|π − μ|", by="series", xlabel="optimizer step",
                                 title="training–inference mismatch |π − μ|")
 
-    # The name breaks STYLE rule 3 (algorithm names stay in losses/) on purpose: the issue asks for DRPO's weight
+    # The name breaks the convention that algorithm names stay in losses/, on purpose: the issue asks for DRPO's weight
     # statistics by name. It plots whatever loss reports `w_mean` / `w_min` / `w_max` (SPO's weight too).
     def drpo_weights(self) -> Any:
         """DRPO's per-token gradient weight w = 1 − sign(A(r − 1))·|π − μ|/δ (arXiv 2606.09821, Eq. 9) per step:

@@ -1,7 +1,7 @@
 """Multi-turn machinery shared by agent envs: a conversation in token space, tool calls parsed from generations,
 environment output appended with loss mask 0, turn and token budgets, per-trajectory metrics.
 
-The engine sees token ids only and nothing is re-tokenised (DESIGN §2): a `Conversation` starts from the chat
+The engine sees token ids only and nothing is re-tokenised: a `Conversation` starts from the chat
 template's prompt, appends each assistant completion exactly as sampled (loss mask 1, its log-probs and versions),
 and appends environment or tool output as the chat template would render the next message (loss mask 0, log-prob
 0, version -1). The tokens between an assistant's content and the next generation prompt are derived once per

@@ -3,14 +3,15 @@
 A loss maps per-token `LossInputs` (current log-probs, the engine's behaviour log-probs, advantages, loss mask,
 optional per-token weights; all `[B, T]`) to `LossOutputs`: per-token losses already multiplied by the effective mask,
 that mask, and detached scalar metrics. It never reduces over tokens: aggregation happens once, in the trainer
-(`astratk.training.aggregation`, ALGORITHMS §4), so every loss is compared under the same normalisation.
+(`astratk.training.aggregation`), so every loss is compared under the same normalisation.
 
 Adding a loss:
 
 1. Write `losses/my_loss.py` with `class MyLoss(PolicyLoss)` (`astratk.contracts.PolicyLoss`). The constructor is the
    config: typed keyword arguments with the paper's defaults, validated there with the fix in the error message.
 2. Implement `__call__(self, inputs: LossInputs) -> LossOutputs`. Anchor the ratio on the rollout engine's log-probs
-   (ALGORITHMS §1) and clamp log r to [-20, 20]; `_common` holds the few lines of ratio math losses share.
+   and clamp log r to [-20, 20] (docs/architecture.md, "Loss notation"); `_common` holds the few lines of ratio
+   math losses share.
    Set `required_aggregation` only if the loss is meaningless under other modes (GSPO).
 3. Add a short name in `astratk/registry.py` (`REGISTRY["loss"]`), e.g. `"my_loss": "astratk.losses.my_loss.MyLoss"`.
    User code does not need this: a config may name any loss by dotted path.

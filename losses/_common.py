@@ -1,4 +1,4 @@
-"""Ratio math shared by the losses (kept tiny on purpose: STYLE rule 13 allows sharing a line of ratio math)."""
+"""Ratio math shared by the losses (kept tiny on purpose: losses may share a line of ratio math, no more)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from astratk.contracts import LossInputs
 
-LOG_RATIO_CLAMP = 20.0  # ALGORITHMS notation: clamp log r to [-20, 20] before exp
+LOG_RATIO_CLAMP = 20.0  # clamp log r to [-20, 20] before exp (docs/architecture.md)
 
 
 def sanitize(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,7 @@ def sanitize(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def log_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
-    """log r = clamp(log pi - log mu, -20, 20), with mu detached (the rollout anchor, ALGORITHMS §1)."""
+    """log r = clamp(log pi - log mu, -20, 20), with mu detached (the rollout anchor)."""
     return (logprobs - behavior_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 

@@ -1,14 +1,14 @@
-"""CISPO / PG-TIS: truncated importance weight as a stop-gradient coefficient (ALGORITHMS §4, the "CISPO" row).
+"""CISPO / PG-TIS: truncated importance weight as a stop-gradient coefficient.
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1):
+Per token, with r = pi / mu anchored on the rollout engine's log-probs:
 
     l_t = -A_t sg(min(r_t, C)) log pi_t      gradient coefficient on A grad log pi: c_t = min(r_t, C)
 
 Unlike PPO's clip, no token loses its gradient: a token with r > C keeps weight C (MiniMax-M1, arXiv 2506.13585, which
-clips the IS weight rather than the update). DPPO's authors implement their mask in this same form (ALGORITHMS §2).
+clips the IS weight rather than the update). DPPO's authors implement their mask in this same form.
 The scalar VALUE of l_t is not the surrogate's value: compare gradients, not losses, across implementations.
-Default C = 5 (ALGORITHMS §4 gives 3-5; DPPO's scaling runs use 5). There is no trust region: DPPO reports that
-truncated IS alone does not stabilise training (ALGORITHMS §2); it is a neighbour to compare against.
+Default C = 5 (3-5 is the usual range; DPPO's scaling runs use 5). There is no trust region: DPPO reports that
+truncated IS alone does not stabilise training (arXiv 2602.04879); it is a neighbour to compare against.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from astratk.losses._common import masked_mean, ratio_metrics, tokens
 
 
 class CISPO(PolicyLoss):
-    """Truncated-IS policy gradient: -A sg(min(r, C)) log pi per token (ALGORITHMS §4).
+    """Truncated-IS policy gradient: -A sg(min(r, C)) log pi per token.
 
     Example:
         >>> import torch
@@ -36,7 +36,7 @@ class CISPO(PolicyLoss):
     def __init__(self, ratio_cap: float = 5.0) -> None:
         if not ratio_cap >= 1:  # also rejects NaN
             raise ValueError(f"ratio_cap must be >= 1 (tokens with r > C keep gradient weight C; C < 1 would "
-                             f"down-weight on-policy tokens); got {ratio_cap}. Use 3-5 (ALGORITHMS §4), or 10000 to "
+                             f"down-weight on-policy tokens); got {ratio_cap}. Use 3-5, or 10000 to "
                              "disable truncation")
         self.ratio_cap = float(ratio_cap)
 

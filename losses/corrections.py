@@ -1,7 +1,7 @@
-"""Training–inference mismatch corrections as composable per-token weights (ALGORITHMS §4, "Mismatch corrections").
+"""Training–inference mismatch corrections as composable per-token weights.
 
 The engine that sampled (μ) and the trainer (π) disagree a little even at the same weights (kernels, precision,
-batching). A correction compares the trainer's own no-grad log-probs π_old (the *proximal* policy, ALGORITHMS §1:
+batching). A correction compares the trainer's own no-grad log-probs π_old (the *proximal* policy:
 the trainer's forward on the step's batch at the start of the step's first mini-batch, filled into
 `LossInputs.proximal_logprobs`) with μ, per token, and returns
 
@@ -41,7 +41,7 @@ def proximal_log_ratio(inputs: LossInputs, level: str, who: str) -> tuple[torch.
     """
     if inputs.proximal_logprobs is None:
         raise ValueError(f"{who} needs LossInputs.proximal_logprobs (π_old, the trainer's no-grad forward at the start "
-                         "of the step, ALGORITHMS §1); PolicyModule fills it when a correction is configured. When "
+                         "of the step); PolicyModule fills it when a correction is configured. When "
                          "calling it directly, pass proximal_logprobs=<[B, T] log-probs>")
     valid = inputs.loss_mask.bool()  # [B, T]
     prox = sanitize(inputs.proximal_logprobs.detach(), valid)
@@ -70,7 +70,7 @@ def _unit_mean(x: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor
 
 
 class TIS(TokenCorrection):
-    """Truncated importance sampling: w = min(π_old/μ, C), per token or per sequence (ALGORITHMS §4).
+    """Truncated importance sampling: w = min(π_old/μ, C), per token or per sequence.
 
     Example:
         >>> import torch
@@ -109,7 +109,7 @@ class TIS(TokenCorrection):
 
 class MIS(TokenCorrection):
     """Masked importance sampling (IcePop): tokens, or whole sequences, whose ρ = π_old/μ lies outside [low, high]
-    are dropped from the loss and from its denominator (ALGORITHMS §4); inside the band they are weighted by ρ, as
+    are dropped from the loss and from its denominator; inside the band they are weighted by ρ, as
     in IcePop's M(k) = k·1[α ≤ k ≤ β] (`weight=False`: keep the mask only, weight 1, i.e. plain rejection).
 
     Example:

@@ -1,6 +1,6 @@
-"""DPPO: divergence trust region with a hard mask (arXiv 2602.04879; ALGORITHMS §1, §2).
+"""DPPO: divergence trust region with a hard mask (arXiv 2602.04879).
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1; log r clamped to +-20):
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (log r clamped to +-20):
 
     M_t = 0  iff  (A > 0 and pi > mu and D_t > delta)  or  (A < 0 and pi < mu and D_t > delta),  else 1
     l_t = -A_t * sg(min(r_t, C)) * M_t * log pi_t            (the authors' form; sg(r) when C is None)
@@ -41,7 +41,7 @@ from astratk.losses._common import masked_max, masked_mean, ratio_metrics, sanit
 DIVERGENCES = ("binary_kl", "binary_tv", "topk_kl", "topk_tv")
 ANCHORS = ("behavior", "recompute")
 MAX_TOP_K = 20  # what inference engines return (vLLM's default max_logprobs); the paper's K
-REST_FLOOR = 1e-12  # clamp on the "rest" cell's mass (ALGORITHMS §2)
+REST_FLOOR = 1e-12  # clamp on the "rest" cell's mass
 BINARY_KL_EPS = 1e-8  # inside the (1 - p) logs of Binary-KL
 
 
@@ -109,7 +109,7 @@ class DPPO(PolicyLoss):
         if delta is None:
             delta = 0.15 if divergence.endswith("tv") else 0.05
         if not delta > 0:  # also rejects NaN
-            raise ValueError(f"delta must be > 0 (the divergence radius of the trust region, ALGORITHMS §2); got "
+            raise ValueError(f"delta must be > 0 (the divergence radius of the trust region); got "
                              f"{delta}. The paper uses 0.15 (or 0.2) for TV and 0.05 for KL; None picks these")
         if clip_ratio is not None and not clip_ratio >= 1:
             raise ValueError(f"clip_ratio must be >= 1 (C truncates r; C < 1 would truncate on-policy tokens, r = 1); "

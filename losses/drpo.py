@@ -1,11 +1,11 @@
-"""DRPO: divergence-regularised policy optimisation (arXiv 2606.09821, Eq. 8/9; ALGORITHMS §3).
+"""DRPO: divergence-regularised policy optimisation (arXiv 2606.09821, Eq. 8/9).
 
 DPPO's hard Binary-TV trust region |pi - mu| <= delta (arXiv 2602.04879) becomes a smooth penalty: substituting the
 token-adaptive SPO radius eps_t = delta / mu_t into SPO's |A|(r - 1)^2 / (2 eps) gives the per-token loss (Eq. 8)
 
     l_t = -A_t r_t + |A_t| mu_t (r_t - 1)^2 / (2 delta),      r_t = pi_t / mu_t,   mu_t (r_t - 1)^2 = (pi - mu)^2 / mu
 
-with r anchored on the rollout engine's log-probs (ALGORITHMS §1), differentiable and NOT truncated (log r clamped to
+with r anchored on the rollout engine's log-probs, differentiable and NOT truncated (log r clamped to
 +-20 only), mu detached. Its gradient (Eq. 9) is -A_t r_t w_t grad log pi_t with
 
     w_t = 1 - sign(A_t (r_t - 1)) |pi_t - mu_t| / delta
@@ -55,7 +55,7 @@ class DRPO(PolicyLoss):
 
     def __init__(self, delta: float = 12.5) -> None:
         if not delta > 0:  # also rejects NaN
-            raise ValueError(f"delta must be > 0 (the Binary-TV radius of the trust region, ALGORITHMS §3); got "
+            raise ValueError(f"delta must be > 0 (the Binary-TV radius of the trust region); got "
                              f"{delta}. The paper uses 12.5; delta < 1 makes the boundary |pi - mu| = delta bind")
         self.delta = float(delta)
 

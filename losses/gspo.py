@@ -1,6 +1,6 @@
-"""GSPO: group sequence policy optimisation, one clipped ratio per sequence (arXiv 2507.18071; ALGORITHMS §4).
+"""GSPO: group sequence policy optimisation, one clipped ratio per sequence (arXiv 2507.18071).
 
-With log r_it = log pi - log mu anchored on the rollout engine (ALGORITHMS §1, clamped to +-20), n_i the sequence's
+With log r_it = log pi - log mu anchored on the rollout engine (clamped to +-20), n_i the sequence's
 mask count and A_i its advantage (constant over the sequence; taken from its first masked token):
 
     log s_i = sum_t m_it log r_it / n_i          (the geometric mean of the token ratios)

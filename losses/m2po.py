@@ -1,11 +1,11 @@
-"""M2PO: a trust region from a budget tau on the second moment of log-ratios, in two forms (ALGORITHMS §4).
+"""M2PO: a trust region from a budget tau on the second moment of log-ratios, in two forms.
 
 `M2PO` (paper form, "Prosperity before Collapse", arXiv 2510.01161): m2_t = (log pi_t - log mu_t)^2. If the batch
 mean of m2 over the loss mask exceeds tau, mask (M_t = 0) the tokens with the largest m2 until the mean over the rest
 is <= tau; the loss is PG-IS on the rest, l_t = -A_t r_t M_t (c_t = r_t M_t). Masked tokens leave the returned mask.
 
 `M2POClip` (AstraFlow's code form, "m2po_clip"; arXiv 2605.15565): Delta_t = log pi_old - log pi, m2_t = Delta_t^2,
-with pi_old the behaviour log-probs, or the trainer's proximal forward when `recompute=True` (ALGORITHMS §1; then the
+with pi_old the behaviour log-probs, or the trainer's proximal forward when `recompute=True` (then the
 ratio r = pi / pi_old is anchored on it too). Among the tokens moving away from the anchor ((A > 0 and r > 1) or
 (A < 0 and r < 1)): if their mean m2 <= tau nothing is clipped (PG-IS); otherwise drop the largest m2 until the rest's
 mean is <= tau, m2_c = the smallest dropped value, tau' = sqrt(m2_c), and apply PPO's clip with

@@ -1,6 +1,6 @@
-"""PG-IS: importance-sampled policy gradient with no trust region (ALGORITHMS §4, the "PG-IS" row; §2 findings).
+"""PG-IS: importance-sampled policy gradient with no trust region.
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1, log r clamped to +-20):
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (log r clamped to +-20):
 
     l_t = -A_t r_t          gradient coefficient on A grad log pi: c_t = r_t
 
@@ -15,7 +15,7 @@ from astratk.losses._common import ratio_metrics, tokens
 
 
 class PGIS(PolicyLoss):
-    """Plain importance-sampled policy gradient, -A r per token (ALGORITHMS §4).
+    """Plain importance-sampled policy gradient, -A r per token.
 
     Example:
         >>> import torch

@@ -1,6 +1,6 @@
-"""PPO / GRPO clipped surrogate, rollout-anchored (ALGORITHMS §1 and §4; DAPO clip-higher; verl dual clip).
+"""PPO / GRPO clipped surrogate, rollout-anchored (DAPO clip-higher; verl dual clip).
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (no recomputed pi_old, ALGORITHMS §1):
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (no recomputed pi_old):
 
     l_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
 
@@ -61,7 +61,7 @@ class PPOClip(PolicyLoss):
             token_losses = token_losses * inputs.weights.detach()
 
         with torch.no_grad():
-            # tokens whose gradient the clip removes (the one-sided PPO conditions, ALGORITHMS §4)
+            # tokens whose gradient the clip removes (the one-sided PPO conditions)
             low = (adv < 0) & (r < 1.0 - self.eps_low)  # [B, T]
             high = (adv > 0) & (r > 1.0 + self.eps_high)  # [B, T]
             metrics = {

@@ -1,6 +1,6 @@
-"""SAPO: soft adaptive policy optimisation, a sigmoid gate instead of a hard clip (arXiv 2511.20347; ALGORITHMS §4).
+"""SAPO: soft adaptive policy optimisation, a sigmoid gate instead of a hard clip (arXiv 2511.20347).
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1, log r clamped to +-20):
+Per token, with r = pi / mu anchored on the rollout engine's log-probs (log r clamped to +-20):
 
     l_t = -(4 / tau_t) sigmoid(tau_t (r_t - 1)) A_t,      tau_t = tau_pos if A_t > 0 else tau_neg
 
@@ -11,7 +11,7 @@ Gradient coefficient on A grad log pi (d l / d log pi = -A c_t):
 The gate g is 1 on-policy (r = 1), decays smoothly as r leaves 1 in either direction (no hard band, so a few
 off-policy tokens do not silence their neighbours), and the 4 / tau factor keeps the on-policy gradient equal to
 plain PG for any tau. tau_neg > tau_pos makes the gate close faster for negative advantages. Note the loss VALUE at
-r = 1 is -2A / tau, not -A. Defaults tau_pos = 1.0, tau_neg = 1.05 (ALGORITHMS §4).
+r = 1 is -2A / tau, not -A. Defaults tau_pos = 1.0, tau_neg = 1.05.
 """
 
 from __future__ import annotations

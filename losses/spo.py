@@ -1,6 +1,6 @@
-"""SPO: simple policy optimisation, a quadratic ratio penalty instead of a clip (arXiv 2401.16025; ALGORITHMS §4).
+"""SPO: simple policy optimisation, a quadratic ratio penalty instead of a clip (arXiv 2401.16025).
 
-Per token, with r = pi / mu anchored on the rollout engine's log-probs (ALGORITHMS §1), differentiable and not
+Per token, with r = pi / mu anchored on the rollout engine's log-probs, differentiable and not
 truncated (log r clamped to +-20 only):
 
     l_t = -A_t r_t + |A_t| (r_t - 1)^2 / (2 eps)
@@ -11,7 +11,7 @@ Gradient coefficient on A grad log pi (d l / d log pi = r dl/dr = -A c_t):
 
 so w = 0 at |r - 1| = eps while moving away from mu and negative beyond. The radius is in ratio space, so a rare token
 (small mu) can move its probability far before the penalty binds, and c is unbounded as mu -> 0; DRPO
-(`astratk.losses.drpo`, ALGORITHMS §3) replaces eps by the token-adaptive delta / mu. Default eps = 12.5, the value
+(`astratk.losses.drpo`) replaces eps by the token-adaptive delta / mu. Default eps = 12.5, the value
 the DRPO paper used for its SPO comparison.
 """
 

@@ -3,7 +3,8 @@
 #
 # Two policies trained together, each by its own trainer in its own process, meeting only through the data layer:
 # the solver answers, the verifier accepts or rejects, and on a reject the solver retries with the verifier's
-# feedback. Rewards per role (ALGORITHMS.md §5). One config, one call: `tutorials/solver_verifier_two_policies.yaml`.
+# feedback. Rewards per role: `envs/workflows/solver_verifier.py`. One config, one call:
+# `tutorials/solver_verifier_two_policies.yaml`.
 
 # %%
 import astratk

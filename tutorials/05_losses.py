@@ -2,7 +2,7 @@
 # # 5. DRPO vs DPPO vs GRPO on the same run budget
 #
 # The policy loss is one config key. DRPO replaces DPPO's hard divergence mask with a smooth, advantage-weighted
-# quadratic penalty on the sampled token's probability shift (ALGORITHMS.md §2); GRPO here is the PPO-clip
+# quadratic penalty on the sampled token's probability shift (arXiv 2606.09821); GRPO here is the PPO-clip
 # surrogate with group advantages. Same env, model, seed and wall-clock budget for each; compare held-out gains.
 
 # %%

@@ -1,5 +1,5 @@
 """`Admission`: what happens to a lease's groups when they arrive (AstraFlow's "after rollout"
-point; DESIGN §4.4).
+point; step 4 of the data path in docs/architecture.md).
 
 For each group: unscored trajectories are dropped (counted); a group with none left is dropped as
 `empty`; advantages are computed once and fixed; curators learn from the curated role's rewards

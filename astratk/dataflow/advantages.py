@@ -1,4 +1,4 @@
-"""Group advantages: pure functions of one group's rewards (ALGORITHMS §4 "Advantages").
+"""Group advantages: pure functions of one group's rewards.
 
 Selected by name in `DataflowSpec.advantage`: a short name from
 `astratk.registry.REGISTRY["advantage"]`, or the dotted path of any function `rewards -> advantages`

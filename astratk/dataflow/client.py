@@ -2,7 +2,7 @@
 object.
 
 Every remote call has a timeout that names what it waited for. Waiting for a batch is client-side
-polling, so the actor's single thread is never blocked (TRAPS: Dask actors run synchronous methods
+polling, so the actor's single thread is never blocked (Dask actors run synchronous methods
 one at a time).
 
 Recovery: the actor dies with its worker ("Worker holding Actor was lost", or "Unable to contact

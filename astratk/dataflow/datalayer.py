@@ -1,5 +1,5 @@
-"""`DataLayer`: the one stateful coordinator between rollout services and trainers (DESIGN §3,
-ALGORITHMS §5).
+"""`DataLayer`: the one stateful coordinator between rollout services and trainers
+(docs/architecture.md, "Data layer").
 
 A facade over three parts, one per point of AstraFlow's data path, each with its own `state_dict`:
 - `LeaseBook` (`astratk.dataflow.leases`): task leases, their deadlines, re-issues and drops; the

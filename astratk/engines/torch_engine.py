@@ -11,7 +11,7 @@ through `past_key_values`. A row stops at one of its `stop_token_ids` (kept in t
 rows with different temperatures, budgets and stops share a batch, and finished rows are compacted away once they are
 a quarter of it. Stop strings (`params.stop`, needs a tokenizer) end a row at the token whose text completes one, kept
 too: only rows that have them decode, each step, a short tail of their generated tokens (`_text_stop_hits`).
-Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (ALGORITHMS §1); T = 0 is greedy, scored with the
+Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (so r = 1 on-policy); T = 0 is greedy, scored with the
 untempered softmax. Behaviour log-probs come from `logprobs_from_logits`, the trainer's formula.
 
 Seeds. Random numbers are a counter-based hash of (row seed, token index), so a request with `params.seed` gets the
@@ -181,7 +181,7 @@ class _Call:
 
 
 class TorchEngine:
-    """An HF causal LM served with batched sampling, per-token behaviour log-probs and versions (DESIGN §3).
+    """An HF causal LM served with batched sampling, per-token behaviour log-probs and versions.
 
     Example:
         >>> engine = TorchEngine("runs/x/model", max_batch=256)  # or .from_model(model, tokenizer)  # doctest: +SKIP

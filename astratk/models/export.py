@@ -316,7 +316,7 @@ def _where(src: _Source) -> str:
 
 def _copy_side_files(base: Path, out: Path) -> list[str]:
     """Copy the base directory's non-weight files (tokenizer, chat template, custom code) as they are: re-saving a
-    tokenizer through `AutoTokenizer` may change its class (TRAPS.md, transformers). `generation_config.json` is
+    tokenizer through `AutoTokenizer` may change its class. `generation_config.json` is
     copied too, over the one `save_pretrained` derived, so decoding defaults stay the base's."""
     if not any((base / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(f"base model directory {str(base)!r} has no tokenizer files (any of "

@@ -1,6 +1,6 @@
 """`logprobs_from_logits`: the one log-prob formula the engines and the trainer share.
 
-ALGORITHMS §1: μ is the distribution the engine actually sampled, so log π must come from logits / T with the
+μ is the distribution the engine actually sampled, so log π must come from logits / T with the
 rollout's T (T = 0, greedy, is scored with the untempered softmax). `TorchEngine` calls `logprobs_from_logits` on
 each decode step's logits and the trainer's recomputation (`astratk.training.logprobs.token_logprobs`) on the whole
 sequence's, so on the same weights both sides run the same arithmetic and agree to fp32 rounding

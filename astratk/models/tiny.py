@@ -2,7 +2,7 @@
 
 Why Qwen2: every engine (TorchEngine through HF transformers, vLLM on CPU and GPU) loads it unchanged, so the toy
 model exercises the same code path as a real checkpoint. Why head_dim >= 32: vLLM's CPU attention supports head
-sizes 32, 64, 80, ... only (TRAPS.md).
+sizes 32, 64, 80, ... only.
 
 Example:
     >>> from astratk.models import build_char_tokenizer

@@ -7,7 +7,7 @@ Why it is a byte-level BPE with *no merges* (one token per byte, so one per ASCI
 model: transformers 5.19's `AutoTokenizer` ignores `tokenizer_class` for `model_type: qwen2` (it is listed in
 `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS`) and rebuilds the tokenizer as `Qwen2Tokenizer`, keeping only the vocabulary
 and merges of `tokenizer.json` and imposing Qwen2's byte-level BPE pipeline. A WordLevel vocabulary then loses spaces
-and newlines (TRAPS.md: held-out accuracy 29.5% -> 1%). Built here *as* that pipeline (NFC, Qwen2's split, byte-level
+and newlines (seen: held-out accuracy 29.5% -> 1%). Built here *as* that pipeline (NFC, Qwen2's split, byte-level
 with all 256 bytes, no merges), the tokenizer encodes and decodes identically whichever class loads it, and any UTF-8
 text round-trips (non-ASCII characters become several byte tokens). `save_char_tokenizer` still pins
 `tokenizer_class`, then reloads through `AutoTokenizer` and checks a round trip, so a regression fails at build time.
@@ -113,4 +113,4 @@ def check_round_trip(loaded: object, reference: PreTrainedTokenizerFast) -> None
     if problems:
         raise RuntimeError(f"the character tokenizer does not survive AutoTokenizer.from_pretrained as "
                            f"{type(loaded).__name__} ({'; '.join(problems)}); this transformers version rebuilds it "
-                           "differently: see astratk/models/tokenizer.py's docstring and TRAPS.md (transformers)")
+                           "differently: see astratk/models/tokenizer.py's docstring")

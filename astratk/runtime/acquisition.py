@@ -1,4 +1,4 @@
-"""The acquisition loop (DESIGN §4 steps 1-4): keeps the rollout pipeline full.
+"""The acquisition loop: keeps the rollout pipeline full (docs/architecture.md, steps 1-4).
 
 It leases tasks from the data layer and submits `rollout -> score -> admit` chains with resource requirements, so Dask
 places them on workers labelled for the policies involved, balances load, and resubmits work from workers that die.

@@ -1,4 +1,4 @@
-"""Auto-scaling the rollout pool with AstraFlow's wait-fraction rule (ALGORITHMS §5, "Auto-scaling rule").
+"""Auto-scaling the rollout pool with AstraFlow's wait-fraction rule (docs/architecture.md, "Auto-scaling rule").
 
     f = EWMA(trainer wait on next batch) / EWMA(step time), capped at 0.95
     f > 0.10  ->  G' = ceil(G / (1 - f))                          the trainer starves: add rollout capacity

@@ -1,7 +1,7 @@
 """Dask clusters for a run: a local one whose workers carry role resources, or a connection to an existing scheduler
-(DESIGN §3 "Runtime"), and counting labelled workers.
+(docs/architecture.md, "Runtime"), and counting labelled workers.
 
-Local: `LocalCluster(resources=...)` gives every worker the same resources (TRAPS), so the local cluster is a
+Local: `LocalCluster(resources=...)` gives every worker the same resources, so the local cluster is a
 `SpecCluster` built from a per-worker spec (`astratk.runtime.pools`): one `control` worker that hosts the data-layer
 actor (scaling never retires it) and the run's worker classes, by default `rollout_workers` workers labelled
 `rollout_<policy>` for every policy plus `score`. Each process gets one torch thread by default (2-core laptops

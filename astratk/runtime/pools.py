@@ -3,7 +3,7 @@
 A pool is a list of `WorkerClass`es (defined in `astratk.spec`, re-exported here). `start_pool_cluster` builds a
 `PoolCluster`: one `control` worker (it hosts the data-layer actor) plus `count` workers per class, named
 `{class}-{i}`. Scaling touches one elastic class only, so neither `cluster.scale(n)` nor Dask's adaptive scaling can
-retire the control worker (TRAPS: adaptive scaling chooses which workers to retire).
+retire the control worker (adaptive scaling chooses which workers to retire).
 
 Heterogeneous hardware is *simulated* on one machine: a class's `slowdown` reaches its workers through the
 `SimulatedHardware` worker plugin, and the rollout service sleeps (slowdown - 1) x its generation time after

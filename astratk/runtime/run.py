@@ -1,4 +1,4 @@
-"""`Run`: one whole local run, the same code path for the notebook and `astratk run` (DESIGN §5).
+"""`Run`: one whole local run, the same code path for the notebook and `astratk run`.
 
     build or reuse the models -> start the cluster -> deploy the data layer -> evaluate v0
     -> acquire rollouts while the trainer trains (publishing weights, evaluating on a wall-clock interval)

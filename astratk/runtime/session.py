@@ -45,7 +45,7 @@ def _quiet_lightning() -> None:
     import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    # torch 2.13 + Lightning 2.6 warn on every fit (TRAPS)
+    # torch 2.13 + Lightning 2.6 warn about LeafSpec on every fit
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
 
 

@@ -1,4 +1,4 @@
-"""The one place where per-token losses become the scalar to minimise (ALGORITHMS §4).
+"""The one place where per-token losses become the scalar to minimise.
 
 A loss returns per-token losses `[B, T]` already multiplied by its effective mask, and that mask; the trainer calls
 `aggregate` once. Modes (n_i = tokens of sequence i in the mask, N = number of sequences, H = `horizon`):
@@ -11,7 +11,7 @@ A loss returns per-token losses `[B, T]` already multiplied by its effective mas
 | `seq-mean-token-sum-norm` | (1/N) sum_i (sum_t l_it / H), H = max completion length | Dr.GRPO, DPPO/DRPO recipes |
 
 Empty sequences (n_i = 0: every token masked, e.g. by MIS) are COUNTED in N and contribute 0; implementations differ by
-exactly this factor (verl excludes them, TRL and UniRL count them) and ALGORITHMS §4 picks counting. In
+exactly this factor (verl excludes them, TRL and UniRL count them) and astratk counts them. In
 `seq-mean-token-mean` such a sequence's own mean is 0, not 0/0. An all-zero mask gives 0, never NaN.
 
 Distributed data parallel: by default the denominators are this process's own counts. Under DDP pass the all-reduced

@@ -1,4 +1,4 @@
-"""Collate the groups the data layer serves into a padded `TrainBatch` (trainer-side; DESIGN §2).
+"""Collate the groups the data layer serves into a padded `TrainBatch` (trainer-side).
 
 Alignment: position t of every [B, T] tensor describes the prediction of token t + 1, so completion token j of a
 trajectory (absolute index n_prompt + j) sits at position n_prompt + j - 1. Top-K tensors [B, T, K] are built only

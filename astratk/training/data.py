@@ -2,7 +2,7 @@
 
 To the trainer the system is "a streaming corpus" (AstraFlow): step k's batch is pulled with
 `next_batch(policy_id, k, rank, world_size)` (client-side polling with a timeout), collated to a `TrainBatch` here.
-Keep `num_workers=0` (TRAPS: a forked loader worker would poll a copy of the handle's state).
+Keep `num_workers=0` (a forked loader worker would poll a copy of the handle's state).
 
 Why tickets: Lightning's fit loop fetches one batch ahead of the step it runs (to detect the end of an iterable).
 If the iterator itself waited for data, step k could not start until step k+1's rollouts had arrived: one version of

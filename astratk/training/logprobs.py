@@ -1,6 +1,6 @@
 """Per-token log-probs: the trainer's recomputation of log π, with the formula the engines use.
 
-ALGORITHMS §1: log π must come from logits / T with the rollout's T, as the engine sampled. Both sides call
+Log π must come from logits / T with the rollout's T, as the engine sampled. Both sides call
 `astratk.models.logprobs.logprobs_from_logits` (the engine per decode step, `token_logprobs` here per sequence), so
 on the same weights they run the same arithmetic and agree to fp32 rounding (tests/unit/test_torch_engine.py checks
 1e-5).

@@ -1,13 +1,13 @@
 """`PolicyModule`: the trainer of one policy. It knows a model, a loss and an optimiser; nothing about Dask or envs.
 
-One step: recompute token log-probs at the rollout temperature (ALGORITHMS §1: μ is the distribution sampled, so
+One step: recompute token log-probs at the rollout temperature (μ is the distribution sampled, so
 log π comes from logits / T), call the loss, aggregate once (`astratk.training.aggregation`), step. The loss is any
 `PolicyLoss` (DRPO by default), chosen by class path in the config.
 
 Optional, all off by default (then the step is exactly the one above):
 - **Proximal log-probs** π_old, when the loss (`needs_proximal`) or any correction asks: a no-grad forward at the
   step's weights before the grad forward (one optimiser step per batch, so micro-batches see the same weights). This is
-  the proximal policy of ALGORITHMS §1: tokens carry per-token weight versions, so π at each token's exact rollout
+  the proximal policy π_old: tokens carry per-token weight versions, so π at each token's exact rollout
   weights would take one forward per version and is impractical.
 - **Mismatch corrections** (`corrections`, `astratk.losses.corrections`), in order: weights *= w, loss_mask *= keep.
 - **Top-K log-probs** for a loss with `needs_topk`: log π at the engine's top-K ids, from the same logits.
@@ -25,7 +25,7 @@ Optional, all off by default (then the step is exactly the one above):
   optimisation: Lightning 2.6 rejects `gradient_clip_val` under manual optimisation, and the run builds its Trainer
   with it. The earlier micro-batches are back-propagated inside `training_step`, the last one by Lightning.
 
-Data parallel (DDP; ALGORITHMS §4, "Under DDP"): rank r trains on `groups[r::W]` of the step's batch. The step's loss
+Data parallel (DDP): rank r trains on `groups[r::W]` of the step's batch. The step's loss
 is L = (Σ_r S_r) / D, S_r = rank r's numerator (its sum of token losses for token-mean, of sequence values for the
 seq-mean modes) and D = the count over *all* ranks (tokens or sequences). DDP averages gradients, (1/W) Σ_r ∇ℓ_r, so
 each rank back-propagates ℓ_r = W · S_r / D and the average is ∇L. Normalising by the rank's own count D_r instead
@@ -149,7 +149,7 @@ class PolicyModule(pl.LightningModule):
         return self._aggregate(token_losses, mask), metrics
 
     def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Gradient accumulation for losses without batch statistics (ALGORITHMS §4 aggregation).
+        """Gradient accumulation for losses without batch statistics.
 
         A token's loss depends on its own sequence only (a loss that couples sequences declares `batch_statistics`),
         so each micro-batch's share of the step's loss is its part of the numerator over the *whole* batch's

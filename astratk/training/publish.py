@@ -3,7 +3,7 @@
 Under data parallelism only global rank 0 writes and tells the data layer; every rank moves its `policy_version`.
 The trainer blocks only while it copies the weights out and writes them to the store (a full snapshot, or a sparse
 delta against the previous publication: `astratk.weights.store`); rollout services pull them at their next safe point
-(DESIGN §4 step 6). On a publishing step the step's metrics gain `weights/<policy>/publish_s` (seconds the trainer
+(data path step 6). On a publishing step the step's metrics gain `weights/<policy>/publish_s` (seconds the trainer
 was blocked), `publish_mb` (bytes written) and `publish_delta` (1 for a delta version, 0 for a full snapshot).
 """
 

@@ -1,4 +1,4 @@
-"""Optional extra per-token terms, off by default (ALGORITHMS §4, "Optional extra terms"): KL to a frozen reference
+"""Optional extra per-token terms, off by default: KL to a frozen reference
 policy and the policy's entropy. Pure functions on tensors; the trainer adds them to a loss's token losses, masked,
 before aggregation (`PolicyModule(kl_coef=..., entropy_coef=...)`), and reports their means when on.
 

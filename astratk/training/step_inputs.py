@@ -1,9 +1,9 @@
 """The pieces of one training step around the loss call: what the trainer adds to `LossInputs` before it and to the
 token losses after it, each a small function so `PolicyModule.training_step` reads as a table of contents.
 
-- `apply_corrections`: mismatch corrections in order (ALGORITHMS §4): weights *= w, loss_mask *= keep.
+- `apply_corrections`: mismatch corrections in order: weights *= w, loss_mask *= keep.
 - `topk_fields`: the engine's top-K ids and log-probs for a loss with `needs_topk`, or a clear error.
-- `add_regularizers`: KL to a frozen reference and the entropy bonus (ALGORITHMS §4, "Optional extra terms"), added
+- `add_regularizers`: KL to a frozen reference and the entropy bonus, added
   to the per-token losses under the loss's effective mask, before aggregation.
 - `sum_over_ranks`: the `LossInputs.reduce` callable for losses with batch-wide statistics under DDP.
 

@@ -1,4 +1,4 @@
-"""Versioned, pull-based weight store (DESIGN §3 "Weight store"), sparse weight deltas, and a simulated remote link."""
+"""Versioned, pull-based weight store, sparse weight deltas, and a simulated remote link."""
 
 from astratk.weights.delta import SparseDelta, apply_delta, delta_from_bytes, delta_to_bytes, make_delta, merge_deltas
 from astratk.weights.link import SimulatedLink

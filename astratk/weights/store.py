@@ -1,5 +1,5 @@
 """`WeightStore`: versioned full snapshots and sparse deltas on an fsspec URL (local dir, `memory://`, shared FS,
-object store), pulled by what the puller already has (DESIGN §3 "Weight store", ALGORITHMS §5 "Weight transfer").
+object store), pulled by what the puller already has (docs/architecture.md, "Weight store").
 
 Layout of `<url>/<policy>/`:
 - `v00000010.safetensors`: a full snapshot; `v00000011.delta.safetensors`: the elements whose bits changed since the

@@ -12,7 +12,7 @@ names the one used (`isolation`), so weaker containment is never silent:
 | limits | rlimits: CPU, address space, file size, open files, no core; processes (RLIMIT_NPROC) | same |
 | whole run | a cgroup of its own where the machine allows (`cgroup`): total memory, tmpfs included, and process count | same, without tmpfs |
 
-Why an unprivileged uid: everything here may run as root, and RLIMIT_NPROC does not bind root (TRAPS, "Other"). So as
+Why an unprivileged uid: everything here may run as root, and RLIMIT_NPROC does not bind root. So as
 root each run drops to a uid of its own (`uid_base` + slot, leased through a lock file, so concurrent runs, in this or
 another process, never share a process count), and its process limit then binds. bwrap runs without a user namespace
 for the same reason: inside a user namespace the processes would still be kernel uid 0, which RLIMIT_NPROC exempts.

@@ -1,6 +1,6 @@
 """Uids of their own for sandbox runs, leased so no two live runs share one, and swept so none outlives its run.
 
-Why: everything here may run as root, and RLIMIT_NPROC does not bind root (TRAPS, "Other"). A run that drops to a uid
+Why: everything here may run as root, and RLIMIT_NPROC does not bind root. A run that drops to a uid
 no other process uses gets a process count of its own, which RLIMIT_NPROC then caps, and `sweep` can kill everything
 the run left behind, wherever it moved, with one `kill(-1)` sent as that uid.
 

@@ -11,7 +11,7 @@ graded. Equality is math-verify's `verify(parse(gold), parse(answer))` (numeric 
 sets, intervals); when math-verify cannot parse one side into an expression, the normalised strings must be equal
 (`exact_fallback` counts those).
 
-Why a child process (TRAPS "Other"): math-verify bounds its own work with SIGALRM, which exists only in the main thread;
+Why a child process: math-verify bounds its own work with SIGALRM, which exists only in the main thread;
 in a Dask task thread `parse` raises ValueError unless `parsing_timeout=None`, and `verify` needs
 `timeout_seconds=None`. Without a bound, short inputs hang: `\\boxed{9^{9^{9^{9}}}}` (21 characters) makes `verify` run
 past 10 s against the gold `1` (we stopped it there) while sympy works on the tower; and SIGALRM only interrupts Python

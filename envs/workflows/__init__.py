@@ -1,5 +1,5 @@
 """Multi-policy workflows: episodes in which several roles act, each role's trajectories going to the policy that
-plays it (ALGORITHMS §5). `solver_verifier`: math solver + verifier; `solver_testgen`: code solver + test-case
+plays it. `solver_verifier`: math solver + verifier; `solver_testgen`: code solver + test-case
 generator. Importing this package imports neither the code sandbox nor TextWorld."""
 
 from astratk.envs.workflows.solver_verifier import SolverVerifierEnv, parse_verdict

@@ -1,4 +1,4 @@
-"""Code solver + test-case generator (AstraFlow's multi-policy code workflow; ALGORITHMS §5).
+"""Code solver + test-case generator (AstraFlow's multi-policy code workflow).
 
 One episode: the test generator reads the problem and writes `n_tests` assert statements; the solver writes the
 code. Both are single turns and independent, so they are generated concurrently. Scoring runs over the whole lease

@@ -1,8 +1,8 @@
-"""Math solver + verifier (AstraFlow's headline multi-policy workflow; ALGORITHMS §5).
+"""Math solver + verifier (AstraFlow's headline multi-policy workflow).
 
 One episode: the solver answers; the verifier sees the problem and the answer and replies ACCEPT or REJECT; on REJECT
 the solver retries once with the verifier's reply in its context (a second turn of the solver's conversation: the
-reply is appended with loss mask 0). Rewards (ALGORITHMS §5): solver 1 if its final answer is correct, else 0;
+reply is appended with loss mask 0). Rewards: solver 1 if its final answer is correct, else 0;
 verifier 1 if its verdict matches the truth of the answer it judged (a reply with neither word is wrong).
 
 Roles are `solver` and `verifier`; which policy plays each is configuration (`PolicySpec.roles`), so one shared policy

@@ -1,4 +1,4 @@
-"""Elastic pools on a real cluster of worker processes (DESIGN §6): workers join and die during a run.
+"""Elastic pools on a real cluster of worker processes: workers join and die during a run.
 
 One run starts with one rollout worker. Once training is under way, a second worker joins the way a user adds one
 (`dask worker --resources ...` in a subprocess) and a third through the cluster object (`cluster.scale_pool(2)`);

@@ -1,4 +1,4 @@
-"""CUDA-built torchvision & co. next to a CPU torch (TRAPS, vLLM): detected from the packages' files, hidden from the
+"""CUDA-built torchvision & co. next to a CPU torch: detected from the packages' files, hidden from the
 process with a warning naming the fix, and Lightning refuses to start with that fix in its error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Group advantages (ALGORITHMS §4), golden values derived by hand."""
+"""Group advantages, golden values derived by hand."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The one aggregation place (ALGORITHMS §4): hand-computed values per mode, empty sequences, DDP denominators."""
+"""The one aggregation place: hand-computed values per mode, empty sequences, DDP denominators."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The wait-fraction rule (ALGORITHMS §5, "Auto-scaling rule") as golden values, the monitor's EWMAs, and the
+"""The wait-fraction rule as golden values, the monitor's EWMAs, and the
 adaptive policy on an in-process PoolCluster: it grows the rollout pool when the trainer waits and never retires
 `control` (which hosts the data layer) or a worker of another class."""
 
@@ -177,7 +177,7 @@ def pool_cluster():
     from astratk.runtime.pools import start_pool_cluster
 
     spec = RunSpec(cluster=ClusterSpec(pools=[WorkerClass("rollout", 1), WorkerClass("judge", 1)]))
-    cluster = start_pool_cluster(spec, processes=False)  # in-process workers: fine for a unit test (STYLE 8)
+    cluster = start_pool_cluster(spec, processes=False)  # in-process workers: fine for a unit test
     yield cluster
     cluster.close()
 

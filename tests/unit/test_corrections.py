@@ -1,4 +1,4 @@
-"""Mismatch corrections TIS and MIS/IcePop (ALGORITHMS §4): golden values per level, denominators, composition."""
+"""Mismatch corrections TIS and MIS/IcePop: golden values per level, denominators, composition."""
 
 import math
 

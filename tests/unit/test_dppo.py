@@ -1,4 +1,4 @@
-"""DPPO (arXiv 2602.04879; ALGORITHMS §2): golden divergences and masks, zero/full gradients, every variant's gradient
+"""DPPO (arXiv 2602.04879): golden divergences and masks, zero/full gradients, every variant's gradient
 against a closed form with an independent (id-based) divergence, the App. B lower bound, gradcheck, errors."""
 
 import doctest
@@ -35,7 +35,7 @@ def _grad(out, inp):
 # t4 mu .5 -> pi .7,  A -2: toward mu -> kept: r 1.4, grad 2.8, loss 2 * 1.4 * ln .7 = -0.9986898
 # t5 mu .99 -> pi .8, A -1: TV .19, KL .99 ln(.99/.8) + .01 ln(.01/.2) = .1810050 -> masked (PPO: r .81, not clipped)
 # t6 mu 1e-4 -> pi 1e-2, A +1: TV .0099, KL 1e-4 ln(1e-2) + .9999 ln(.9999/.99) = .0094888 -> kept although r = 100
-#    (PPO would clip it: ALGORITHMS §2's long-tail example); grad -100, loss -100 ln .01 = 460.517
+#    (PPO would clip it: DPPO's long-tail example); grad -100, loss -100 ln .01 = 460.517
 # t7 padding: NaN log pi, -inf log mu, mask 0 -> 0 everywhere, no NaN
 PI = [0.7, 0.6, 0.3, 0.3, 0.7, 0.8, 1e-2, float("nan")]
 MU = [0.5, 0.5, 0.5, 0.5, 0.5, 0.99, 1e-4, 0.0]

@@ -1,4 +1,4 @@
-"""DRPO (arXiv 2606.09821, Eq. 8/9; ALGORITHMS §3): golden values, the paper's weight properties, gradients."""
+"""DRPO (arXiv 2606.09821, Eq. 8/9): golden values, the paper's weight properties, gradients."""
 
 import math
 

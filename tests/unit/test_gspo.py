@@ -1,4 +1,4 @@
-"""GSPO (arXiv 2507.18071; ALGORITHMS §4): the geometric-mean sequence ratio, the sequence clip spread over tokens,
+"""GSPO (arXiv 2507.18071): the geometric-mean sequence ratio, the sequence clip spread over tokens,
 gradients in closed form (sum-of-token-losses view and through seq-mean-token-mean), the token variant's identity."""
 
 import math

@@ -1,6 +1,6 @@
 """The package's import layering, read from the source with `ast` (no module is imported, except in the last test).
 
-Rules (DESIGN §1 and §3):
+Rules (docs/architecture.md, "Layout"):
 - no import cycle among astratk modules at module level (function-level and `if TYPE_CHECKING:` imports excluded:
   they run after every module has loaded, or never);
 - `astratk.training` never imports `astratk.runtime`, and `astratk.engines` never imports `astratk.training`: a
@@ -265,7 +265,7 @@ def test_layers(importers, imported):
 
 def test_the_core_imports_no_concrete_env():
     bad = _forbidden("astratk", "astratk.envs", exclude=PLUGINS)
-    assert not bad, ("the core imports astratk.envs (DESIGN §1: core code never imports a concrete env; name it by "
+    assert not bad, ("the core imports astratk.envs (core code never imports a concrete env; name it by "
                      f"dotted path or registry short name, or move the shared helper into the core):\n{_layer_report(bad)}")
 
 

@@ -1,4 +1,4 @@
-"""M2PO, both forms (arXiv 2510.01161; AstraFlow's clip form; ALGORITHMS §4): the greedy largest-m2 cut on hand
+"""M2PO, both forms (arXiv 2510.01161; AstraFlow's clip form): the greedy largest-m2 cut on hand
 examples, bisection == sort on random inputs, the same answer split over simulated DDP ranks, tau' and the caps."""
 
 import math

@@ -47,7 +47,7 @@ def test_tokenizer_survives_autotokenizer_beside_a_qwen2_config(tmp_path):
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert (tmp_path / "tokenizer.json").is_file()
     # transformers 5.19 rebuilds model_type qwen2 as Qwen2Tokenizer whatever tokenizer_class says: the tokenizer is
-    # built so that every class that may load it tokenizes identically (the TRAPS.md failure dropped spaces).
+    # built so that every class that may load it tokenizes identically (a word-level vocabulary lost its spaces).
     for loaded in (AutoTokenizer.from_pretrained(tmp_path), Qwen2Tokenizer.from_pretrained(tmp_path),
                    PreTrainedTokenizerFast.from_pretrained(tmp_path)):
         ids = loaded(TEXT, add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""The ALGORITHMS §4 neighbours PG-IS, CISPO, SPO, SAPO (GSPO and M2PO have their own files), plus properties every
+"""The neighbour losses PG-IS, CISPO, SPO, SAPO (GSPO and M2PO have their own files), plus properties every
 neighbour shares: golden values with derivations, gradient = -A c_t in closed form, gradcheck, config errors."""
 
 import doctest
@@ -122,7 +122,7 @@ def test_spo_closed_form_gradient():
 
 
 def test_spo_is_drpo_with_eps_times_mu_and_unbounded_for_rare_tokens():
-    # DRPO substitutes eps_t = delta / mu_t into SPO (ALGORITHMS §3): with one mu everywhere they coincide
+    # DRPO substitutes eps_t = delta / mu_t into SPO (`astratk.losses.drpo`): with one mu everywhere they coincide
     logp, _, adv = _random(3)
     log_mu = torch.full_like(logp, math.log(0.4))
     torch.testing.assert_close(_grad(SPO(eps=2.0), logp, log_mu, adv)[0], _grad(DRPO(delta=0.8), logp, log_mu, adv)[0])

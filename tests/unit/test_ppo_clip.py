@@ -1,4 +1,4 @@
-"""PPO / GRPO clip, rollout-anchored (ALGORITHMS §1, §4): values, gradient per clip region, clip-higher, dual clip."""
+"""PPO / GRPO clip, rollout-anchored: values, gradient per clip region, clip-higher, dual clip."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""KL to a reference (k1, k3) and entropy (ALGORITHMS §4, "Optional extra terms"): values, gradients, chunking."""
+"""KL to a reference (k1, k3) and entropy: values, gradients, chunking."""
 
 import math
 

@@ -1,5 +1,5 @@
 """Code solver + test-case generator workflow: generator rewards need valid tests that reject a wrong solution of the
-solver's group (ALGORITHMS §5), solvers get the hidden-test fraction, and both run through the real sandbox."""
+solver's group, solvers get the hidden-test fraction, and both run through the real sandbox."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Math solver + verifier workflow: retry on reject, per-role rewards (ALGORITHMS §5), masks, warm-start
+"""Math solver + verifier workflow: retry on reject, per-role rewards, masks, warm-start
 demonstrations for both roles, and the rollout service scoring both roles of a lease together."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-layer stages one by one: published semantics (ALGORITHMS §5), and a state_dict round trip for each."""
+"""Data-layer stages one by one: published semantics, and a state_dict round trip for each."""
 
 import asyncio
 import json

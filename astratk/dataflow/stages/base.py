@@ -1,4 +1,4 @@
-"""The stage contracts: what the data layer calls at AstraFlow's three points (ALGORITHMS §5).
+"""The stage contracts: what the data layer calls at AstraFlow's three points.
 
 Every stage is a small object whose constructor is its config (YAML `class_path` / `init_args`; keep each init argument
 as an attribute of the same name, which `astratk.config.dump_spec` reads back) and which implements

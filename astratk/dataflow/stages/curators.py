@@ -1,4 +1,4 @@
-"""Curators: before rollout, decide which tasks are worth sampling (ALGORITHMS §5, point 1).
+"""Curators: before rollout, decide which tasks are worth sampling (the first stage point).
 
 All keep their statistics per task id (or per bucket, for the curriculum), so they only matter when tasks come back:
 a finite dataset read for several epochs, or a stream that repeats problems. On an endless stream of fresh problems

@@ -1,4 +1,4 @@
-"""Group filters: after rollout and advantages, decide which groups join the buffer (ALGORITHMS §5, point 2).
+"""Group filters: after rollout and advantages, decide which groups join the buffer (the second stage point).
 
 - `zero_variance` drops a group whose rewards are all equal, or that has one sample (no learning signal: "dynamic
   sampling"); reason `zero_variance`.

@@ -1,4 +1,4 @@
-"""Serving stages: how a step's batch is drawn from a policy's buffer (ALGORITHMS §5, point 3).
+"""Serving stages: how a step's batch is drawn from a policy's buffer (the third stage point).
 
 A batch of n groups is assembled in this order (`DataLayer._take`):
 1. staleness — a buffered group is dropped (counted) iff current - group.version > max_staleness (a gap equal to the
