@@ -78,6 +78,11 @@ class ModelSpec:
         self.tiny.validate(f"{key}.tiny")
 
 
+# Lightning's accelerator names and precision values that a trainer accepts ("auto": see TrainerSpec).
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+
+
 @dataclass
 class TrainerSpec:
     max_steps: int = 200
@@ -114,6 +119,16 @@ class TrainerSpec:
     # tensorboard, wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's
     # metrics.nc does not need them).
     loggers: list[str] = field(default_factory=lambda: ["csv"])
+    # Where and how the trainer runs, with Lightning's own names and meaning (`pl.Trainer`).
+    # accelerator: auto (the GPU when torch sees one), cpu, gpu / cuda, mps.
+    accelerator: str = "auto"
+    # Devices per trainer process. A run's in-process trainer uses one; more is data parallel in a
+    # trainer job (`astratk train fit`).
+    devices: int = 1
+    # auto: bf16-mixed on a CUDA GPU with bf16, else 32-true; or any of PRECISIONS.
+    precision: str = "auto"
+    # Lightning's strategy name (auto, ddp, fsdp...).
+    strategy: str = "auto"
 
     def validate(self, key: str = "trainer") -> None:
         """Ranges; `aggregation` and `loggers` name entries of other modules' tables
@@ -136,6 +151,14 @@ class TrainerSpec:
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"{key}.kl_estimator: unknown {self.kl_estimator!r}; "
                              "choose 'k1' or 'k3'")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"{key}.accelerator: unknown {self.accelerator!r}; choose one of "
+                             f"{sorted(ACCELERATORS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{key}.precision: unknown {self.precision!r}; choose one of "
+                             f"{sorted(PRECISIONS)}")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ValueError(f"{key}.devices must be a number of devices >= 1, got {self.devices!r}")
 
 
 @dataclass

@@ -40,7 +40,7 @@ class TrainerProcesses:
         root = trainer_dir(self.run_dir, policy_id)
         return [sys.executable, "-m", "astratk", "train", "fit", "--run_config", str(self.run_dir / "config.yaml"),
                 "--policy_id", policy_id, "--deployment", self.deployment, "--scheduler", self.scheduler,
-                "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
+                "--trainer.default_root_dir", str(root)]  # placement: the policy's trainer section
 
     def start(self) -> None:
         threads = str(self.spec.cluster.torch_threads)

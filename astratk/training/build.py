@@ -64,11 +64,44 @@ def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, mode
                        timeout_s=ts.batch_timeout_s, rank=rank, world_size=world_size)
 
 
-def trainer_flags(ts: TrainerSpec) -> dict[str, Any]:
-    """The Lightning Trainer flags a policy's `trainer:` section sets. The values also pass
-    LightningCLI's validation (it takes `max_time` as a dict of ints only), so the trainer job puts
-    them into its config."""
-    return {"max_steps": ts.max_steps, "max_time": _duration(ts.max_time_s),
+def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
+    """Lightning's `accelerator`, `devices`, `precision` and `strategy` for this trainer, with
+    "auto" resolved on this machine: the GPU when torch sees one; bf16-mixed on a CUDA GPU that has
+    bf16, 32-true elsewhere. A GPU asked for and absent, or bf16 on a GPU without it, fails here,
+    naming the key, before anything trains.
+
+    >>> from astratk.spec import TrainerSpec
+    >>> import torch
+    >>> torch.cuda.is_available() or placement(TrainerSpec()) == {
+    ...     "accelerator": "cpu", "devices": 1, "precision": "32-true", "strategy": "auto"}
+    True
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if ts.accelerator in ("gpu", "cuda") and not cuda:
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"{key}.accelerator is {ts.accelerator!r} but torch {torch.__version__} "
+                         f"({build}) sees no CUDA device; set {key}.accelerator: auto or cpu, or "
+                         "install a CUDA build of torch")
+    on_gpu = ts.accelerator in ("gpu", "cuda") or (ts.accelerator == "auto" and cuda)
+    bf16 = on_gpu and torch.cuda.is_bf16_supported()
+    precision = ts.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if bf16 else "32-true"
+    elif on_gpu and precision.startswith("bf16") and not bf16:
+        raise ValueError(f"{key}.precision is {precision!r} but this GPU "
+                         f"({torch.cuda.get_device_name()}) has no bf16; use 16-mixed or 32-true")
+    accelerator = "gpu" if on_gpu else ("cpu" if ts.accelerator == "auto" else ts.accelerator)
+    return {"accelerator": accelerator, "devices": ts.devices, "precision": precision,
+            "strategy": ts.strategy}
+
+
+def trainer_flags(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
+    """The Lightning Trainer flags a policy's `trainer:` section sets, placement included. The
+    values also pass LightningCLI's validation (it takes `max_time` as a dict of ints only), so the
+    trainer job puts them into its config."""
+    return {**placement(ts, key), "max_steps": ts.max_steps, "max_time": _duration(ts.max_time_s),
             "gradient_clip_val": ts.grad_clip or None,
             "enable_checkpointing": bool(ts.checkpoint_every), "num_sanity_val_steps": 0,
             "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False}
@@ -157,17 +190,22 @@ def build_trainer(spec: RunSpec, policy_id: str, *, model_path: str, stream: Gro
                   store: WeightStore, run_dir: str | Path, stop_file: str | Path,
                   printer: Callable[[str], None] = print, status: Callable[[], str] | None = None,
                   extra: Callable[[], dict[str, float]] | None = None) -> PolicyTrainer:
-    """The in-process trainer of `policy_id` on one CPU device: the module from `model_path`,
+    """The in-process trainer of `policy_id` on one device (`placement`): the module from `model_path`,
     batches from `stream` (`group_stream`), weights published to `store`, checkpoints in
     `run_dir/checkpoints/<policy>`, loggers in `run_dir/lightning`; it stops after the step in
     which `stop_file` appears."""
     ts = spec.policy(policy_id).trainer
+    key = f"policies[{[p.policy_id for p in spec.policies].index(policy_id)}].trainer"
+    flags = trainer_flags(ts, key)
+    if ts.devices != 1:
+        raise ValueError(f"{key}.devices is {ts.devices}: the run's in-process trainer uses one "
+                         "device; train on several as a trainer job (`astratk deploy`, then "
+                         f"`astratk train fit --policy_id {policy_id}`), or set {key}.devices: 1")
     module = PolicyModule(model_path, **module_args(spec, policy_id))
     steps, recorder = callbacks(spec, policy_id, stream=stream, store=store, stop_file=stop_file,
                                 printer=printer, status=status, extra=extra)
     ckpt = checkpoint_args(ts, Path(run_dir) / "checkpoints" / policy_id)
     if ckpt is not None:
         steps.append(pl.callbacks.ModelCheckpoint(**ckpt))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=loggers(ts, run_dir),
-                         callbacks=steps, **trainer_flags(ts))
+    trainer = pl.Trainer(logger=loggers(ts, run_dir), callbacks=steps, **flags)
     return PolicyTrainer(trainer, module, RolloutDataModule(stream), recorder)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,58 @@ def test_build_trainer_publishes_records_checkpoints_logs_and_stops(model_dir, t
     (tmp_path / "stopped" / "STOP").touch()
     stopped, store, _ = trainer(tmp_path / "stopped")
     assert len(stopped.fit()["rows"]) == 1 and store.latest("main").version == 1
+
+
+# ---------------------------------------------------------------------------------------------- placement
+def test_placement_defaults_to_the_cpu_in_full_precision_here():
+    import lightning.pytorch as pl
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU defaults")
+    flags = build.placement(TrainerSpec())
+    assert flags == {"accelerator": "cpu", "devices": 1, "precision": "32-true", "strategy": "auto"}
+    trainer = pl.Trainer(**flags, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert type(trainer.accelerator).__name__ == "CPUAccelerator" and trainer.precision == "32-true"
+    assert build.placement(TrainerSpec(precision="bf16-mixed"))["precision"] == "bf16-mixed"  # CPUs have bf16
+
+
+def test_placement_on_a_gpu_is_bf16_mixed_by_default(monkeypatch):
+    """What a GPU user gets with no config change (the CUDA runtime faked: this machine has no GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    flags = build.placement(TrainerSpec())
+    assert (flags["accelerator"], flags["precision"]) == ("gpu", "bf16-mixed")
+    assert build.placement(TrainerSpec(accelerator="cpu"))["precision"] == "32-true"  # the CPU asked for
+
+
+def test_a_gpu_asked_for_and_absent_or_bf16_without_it_fails_naming_the_key(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"policies\[1\]\.trainer\.accelerator is 'gpu' but torch .* no CUDA"):
+        build.placement(TrainerSpec(accelerator="gpu"), "policies[1].trainer")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    with pytest.raises(ValueError, match=r"trainer\.precision is 'bf16-true' but this GPU \(Tesla T4\) has no bf16"):
+        build.placement(TrainerSpec(precision="bf16-true"))
+    assert build.placement(TrainerSpec())["precision"] == "32-true"  # auto: no bf16 on this GPU
+
+
+def test_placement_values_are_checked_with_the_spec():
+    for bad, match in (({"precision": "bf17"}, "trainer.precision: unknown 'bf17'"),
+                       ({"accelerator": "tpu9"}, "trainer.accelerator: unknown 'tpu9'"),
+                       ({"devices": 0}, "trainer.devices must be a number of devices >= 1")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            RunSpec(policies=[PolicySpec(trainer=TrainerSpec(**bad))]).validate()
+
+
+def test_the_in_process_trainer_refuses_several_devices_before_building_anything(tmp_path):
+    spec = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(devices=2))]).validate()
+    with pytest.raises(ValueError, match=r"policies\[0\]\.trainer\.devices is 2: .*astratk train fit"):
+        build.build_trainer(spec, "main", model_path=str(tmp_path / "none"), stream=None, store=None,
+                            run_dir=tmp_path, stop_file=tmp_path / "STOP")
+    assert list(tmp_path.iterdir()) == []  # nothing written
