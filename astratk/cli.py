@@ -69,8 +69,13 @@ def _deploy(argv: list[str]) -> int:
               "for a self-contained local job use `astratk run`", file=sys.stderr)
         return 2
     from astratk.runtime.run import Run
+    from astratk.spec import StartError
 
-    Run(spec).serve(name or spec.name)
+    try:
+        Run(spec).serve(name or spec.name)
+    except StartError as e:
+        print(f"astratk deploy: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -138,8 +143,13 @@ def _run(argv: list[str]) -> int:
     if spec is None:
         return 2
     from astratk.runtime.run import Run
+    from astratk.spec import StartError
 
-    Run(spec).start()
+    try:
+        Run(spec).start()
+    except StartError as e:  # bad input found at start, before anything was written: one line
+        print(f"astratk run: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

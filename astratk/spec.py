@@ -30,6 +30,11 @@ from astratk.dataflow.stages.base import Curator, GroupFilter, ServingOrder
 from astratk.dataflow.stages.serving import FIFO, Mixing, Replay
 
 
+class StartError(ValueError):
+    """Bad input found as a run starts, before it writes anything (a Hub id that does not resolve, a model
+    directory that does not load): the message is one line naming the key; the CLI prints it alone."""
+
+
 @dataclass
 class TinyModelSpec:
     """The built-in tiny Qwen2-architecture model (built and warm-started when `ModelSpec.path` is
@@ -62,19 +67,36 @@ class TinyModelSpec:
 
 @dataclass
 class ModelSpec:
-    # an HF model directory (config, safetensors, tokenizer); None builds the tiny model
+    # An HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id (org/name),
+    # resolved through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN); None builds
+    # the tiny model
     path: str | None = None
+    # A Hub id's branch, tag or commit (None: main). A run pins it to the commit it resolved, in
+    # its config.yaml.
+    revision: str | None = None
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
     # default: $ASTRATK_CACHE or ~/.cache/astratk
     cache_dir: str | None = None
 
     def validate(self, key: str) -> None:
-        if self.path is not None:
+        """Cheap checks only: a local directory must hold config.json; a Hub id is resolved (and
+        may be downloaded) when a run starts, before it writes anything (`astratk.models.hub`)."""
+        from astratk.models.hub import is_hub_id
+
+        if self.path is not None and not is_hub_id(self.path):
             p = Path(self.path).expanduser()
             if not (p / "config.json").is_file():
-                raise ValueError(f"{key}.path: {str(p)!r} is not an HF model directory (no "
-                                 "config.json there); give a directory saved with save_pretrained, "
+                what = "is not an HF model directory (no config.json there)" if p.exists() else (
+                    "does not exist (and is not a Hub id org/name)")
+                raise ValueError(f"{key}.path: {str(p)!r} {what}; give a directory saved with "
+                                 "save_pretrained or a Hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
                                  f"or remove {key}.path to build the tiny model")
+            if self.revision is not None:
+                raise ValueError(f"{key}.revision: {self.revision!r} applies to Hub ids (org/name) "
+                                 f"only, and {key}.path is a local directory; remove the revision")
+        if self.path is None and self.revision is not None:
+            raise ValueError(f"{key}.revision is set but {key}.path is empty (the tiny model has no "
+                             "revisions); give a Hub id in path, or remove the revision")
         self.tiny.validate(f"{key}.tiny")
 
 

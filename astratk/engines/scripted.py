@@ -110,6 +110,6 @@ def _tokenizer_of(model_dir: str) -> Any:
                                 "directory (its tokenizer is loaded), a tokenizer object, or None")
     if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from astratk.models.loading import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)

@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from astratk.contracts import Completion, GenerationRequest, expand_samples
-from astratk.models.loading import load_causal_lm
+from astratk.models.loading import load_causal_lm, load_tokenizer
 from astratk.models.logprobs import logprobs_from_logits
 from astratk.weights.delta import SparseDelta, apply_delta
 
@@ -199,7 +199,7 @@ class TorchEngine:
         path = os.fspath(model_path)
         model = load_causal_lm(str(path), _DTYPES[dtype], device)
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-        tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+        tokenizer = load_tokenizer(path) if has_tokenizer else None  # checked to round-trip text
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed)
 
     @classmethod

@@ -43,6 +43,7 @@ import glob
 import itertools
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -50,11 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer
 
 from astratk.contracts import Completion, GenerationRequest, expand_samples
 from astratk.engines import _vllm_compat as compat
 from astratk.engines.torch_engine import _Call, _settle, check_prompt
+from astratk.models.loading import load_tokenizer, tokenizer_fallback, tokenizer_only_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -111,7 +112,11 @@ class VLLMEngine:
         self._max_len = int(max_model_len or self._config.get("max_position_embeddings") or 2048)
         self._has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         # the env's tokenizer, loaded as TorchEngine loads it (vLLM keeps its own for stop strings)
-        self._tokenizer = AutoTokenizer.from_pretrained(path) if self._has_tokenizer else None
+        self._tokenizer = load_tokenizer(path) if self._has_tokenizer else None  # checked to round-trip text
+        # vLLM loads its tokenizer (for stop strings) through AutoTokenizer too: where that class changes text,
+        # give vLLM the tokenizer files alone, which AutoTokenizer then loads as saved
+        if self._has_tokenizer and tokenizer_fallback(path):
+            engine_args.setdefault("tokenizer", tokenizer_only_dir(path, tempfile.mkdtemp(prefix="astratk-tok-")))
         self._host = _read_state(path, self._config) if keep_host_weights else None
         self._shapes = ({k: tuple(v.shape) for k, v in self._host.items()} if self._host is not None
                         else _state_shapes(path, self._config))

@@ -56,15 +56,18 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike | None = None,
-                 log: Callable[[str], None] = print) -> Path:
+                 log: Callable[[str], None] = print, key: str = "model") -> Path:
     """The directory to load the policy from (config.json, model.safetensors, tokenizer), building it if needed.
 
     `env` is the run's env instance: the warm start trains on its demonstrations. `cache_dir` overrides
-    `model_spec.cache_dir`; both default to $ASTRATK_CACHE or ~/.cache/astratk.
+    `model_spec.cache_dir` for the tiny model; both default to $ASTRATK_CACHE or ~/.cache/astratk. A Hub id in
+    `model_spec.path` resolves through huggingface_hub's own cache (`astratk.models.hub`). Errors name `key`.
     """
-    model_spec.validate("model")  # a user path must hold config.json; the error names the path
+    model_spec.validate(key)  # a user path must hold config.json; the error names the path
     if model_spec.path is not None:
-        return Path(model_spec.path).expanduser()
+        from astratk.models.hub import resolve
+
+        return resolve(model_spec.path, model_spec.revision, key=f"{key}.path").directory
     tiny = model_spec.tiny
     check_tiny_spec(tiny)
     key = model_key(tiny, env)

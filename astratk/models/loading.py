@@ -1,4 +1,4 @@
-"""Loading HF causal LMs, serialised within a process.
+"""Loading HF causal LMs and their tokenizers, serialised within a process, tokenizers checked to round-trip.
 
 Why the lock: transformers 5.19 builds a model under a process-global meta-device context, so two threads loading
 at once (a threads-mode cluster: a rollout service's engine and the trainer in one process) fail with "Cannot copy
@@ -7,6 +7,8 @@ out of meta tensor; no data!" (seen here). Every astratk load goes through `load
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 from typing import Any
 
@@ -18,8 +20,6 @@ _LOAD_LOCK = threading.Lock()
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Any:
     """The HF causal LM in directory `path`. Errors name the directory and what is missing: a path that is not a
     directory (transformers would try it as a Hub repo id), no config.json, or weights transformers cannot load."""
-    import os
-
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
@@ -33,3 +33,112 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: str | 
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeError(f"cannot load the model in {path!r}: {e}") from e
     return model.to(device)
+
+
+# --------------------------------------------------------------------------------------------------- tokenizers
+# Files that make a directory hold a tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+# A chat turn with what tokenizers most often lose: spaces, newlines, a tab, digits, punctuation, non-ASCII.
+_CHAT_SAMPLE = [{"role": "user", "content": "What is 37 + 48?\nShow it:\t12 * 3 = 36 (café)."}]
+_PLAIN_SAMPLE = "What is 37 + 48?\nShow it:\t12 * 3 = 36 (café).\n\n  done"
+_checked: dict[str, bool] = {}  # directories whose tokenizer was checked, per process
+_fallbacks: dict[str, str] = {}  # directory -> why AutoTokenizer's tokenizer was replaced
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of model directory `path`, checked to round-trip text; None when the directory holds none.
+
+    Why: `AutoTokenizer` may rebuild a saved tokenizer as another class. transformers 5 does so for `model_type`
+    qwen2 (it rebuilds `Qwen2Tokenizer` from tokenizer.json's vocabulary): a character-level WordLevel tokenizer then
+    drops every space and newline, and a model trains on `<|im_start|>userWhatis37+48?` without any error. So every
+    astratk load (engines, trainer, export) renders a chat prompt with the model's own template, encodes it and
+    decodes it back. When that changes the text, the tokenizer is loaded from tokenizer.json as saved
+    (`PreTrainedTokenizerFast`) with a warning; when that fails too, loading fails naming the directory and what
+    changed. Spaces next to special tokens and at the ends may differ (SentencePiece tokenizers add a prefix space);
+    anything else may not."""
+    import warnings
+
+    path = os.fspath(path)
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    if path in _checked:  # checked once per process; each caller gets its own object (tokenizers hold state)
+        return _as_saved(path) if path in _fallbacks else _auto(path)
+    tok = _auto(path)
+    problem = round_trip_problem(tok)
+    if problem is not None:
+        fallback, why = _as_saved(path), problem
+        if fallback is None or (again := round_trip_problem(fallback)) is not None:
+            detail = "" if fallback is None else f"; tokenizer.json as saved ({type(fallback).__name__}): {again}"
+            raise RuntimeError(f"the tokenizer in {path!r} does not round-trip text: AutoTokenizer "
+                               f"({type(tok).__name__}): {why}{detail}. Save the tokenizer with save_pretrained and "
+                               "check tok.decode(tok(text).input_ids) == text")
+        warnings.warn(f"AutoTokenizer loads the tokenizer in {path!r} as {type(tok).__name__}, which changes text "
+                      f"({why}); using tokenizer.json as saved ({type(fallback).__name__}), which round-trips",
+                      stacklevel=2)
+        _fallbacks[path] = f"{type(tok).__name__}: {why}"
+        tok = fallback
+    _checked[path] = True
+    return tok
+
+
+def tokenizer_fallback(path: str | os.PathLike) -> str | None:
+    """Why `load_tokenizer(path)` did not use AutoTokenizer's tokenizer, or None when it did (or was not called).
+    Engines that load the tokenizer themselves (vLLM) use `tokenizer_only_dir` then."""
+    return _fallbacks.get(os.fspath(path))
+
+
+def tokenizer_only_dir(path: str | os.PathLike, dest: str | os.PathLike) -> str:
+    """Copy the tokenizer files of `path` (everything but config.json and weights) into `dest` and return it.
+    `AutoTokenizer` on a directory without config.json follows `tokenizer_config.json`'s class, so a library that
+    loads tokenizers itself (vLLM's `tokenizer=` argument) gets the tokenizer as saved."""
+    import shutil
+
+    os.makedirs(dest, exist_ok=True)
+    for name in os.listdir(path):
+        src = os.path.join(path, name)
+        if (os.path.isfile(src) and name != "config.json" and not name.endswith((".safetensors", ".bin", ".pt"))
+                and not name.endswith(".index.json")):
+            shutil.copyfile(src, os.path.join(dest, name))
+    return os.fspath(dest)
+
+
+def round_trip_problem(tok: Any) -> str | None:
+    """None when `tok` encodes and decodes a rendered chat prompt (or, without a chat template, a plain sample) back
+    to the same text, up to spaces next to special tokens; else what changed, quoted."""
+    texts = [_PLAIN_SAMPLE]
+    if getattr(tok, "chat_template", None):
+        try:
+            texts.insert(0, tok.apply_chat_template(_CHAT_SAMPLE, add_generation_prompt=True, tokenize=False))
+        except Exception:  # noqa: BLE001 - a template that needs other roles: the plain sample still checks
+            pass
+    specials = [t for t in getattr(tok, "all_special_tokens", []) if t]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        back = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if _normalised(back, specials) != _normalised(text, specials):
+            return f"{text[:60]!r} comes back as {back[:60]!r}"
+    return None
+
+
+def _normalised(text: str, specials: list[str]) -> str:
+    for s in specials:
+        text = text.replace(s, f"\0{s}\0")
+    text = re.sub(r" *\0 *", "", text)
+    return text.strip(" ")
+
+
+def _auto(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    with _LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(path)
+
+
+def _as_saved(path: str) -> Any:
+    """tokenizer.json loaded as it is, with the special tokens of tokenizer_config.json; None without one."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    with _LOAD_LOCK:
+        return PreTrainedTokenizerFast.from_pretrained(path)

@@ -104,12 +104,15 @@ class Run:
         from astratk.runtime.session import Session
 
         spec = self.spec
+        models = self._resolve_models()  # before anything is written: a bad Hub id leaves nothing behind
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"
         run_dir.mkdir(parents=True, exist_ok=True)
         from astratk.config import dump_spec
 
-        (run_dir / "config.yaml").write_text(dump_spec(spec))
+        header = "".join(f"# {pid}: Hub {m['repo_id']}@{m['revision']} resolved to {m['directory']}\n"
+                         for pid, m in models.items() if m["repo_id"])
+        (run_dir / "config.yaml").write_text(header + dump_spec(spec))
         wall0 = time.time()
         try:
             with Session(spec, run_dir, self.print, deployment_name=serve_as) as session:
@@ -119,8 +122,30 @@ class Run:
         finally:
             self._ready.set()
         summary["wall_time_s"] = time.time() - wall0
+        summary["models"] = {pid: {**m, "directory": session.model_paths.get(pid, m["directory"])}
+                             for pid, m in models.items()}
         self.result = self._finish(run_dir, session, summary)
         return self.result
+
+    def _resolve_models(self) -> dict[str, dict[str, Any]]:
+        """Each policy's model source. Hub ids are resolved (downloaded unless cached) and their revision pinned
+        to the commit found, so the run's config.yaml names exactly what it trained; the tiny model is built
+        later, by the session."""
+        from astratk.models.hub import is_hub_id, resolve
+
+        out: dict[str, dict[str, Any]] = {}
+        for i, p in enumerate(self.spec.policies):
+            m = p.model
+            if m.path is None:
+                out[p.policy_id] = {"path": None, "directory": None, "repo_id": None, "revision": None}
+                continue
+            resolved = resolve(m.path, m.revision, key=f"policies[{i}].model.path")
+            if is_hub_id(m.path):
+                self.print(f"model for {p.policy_id!r}: Hub {m.path}@{resolved.revision} -> {resolved.directory}")
+                m.revision = resolved.revision
+                _check_lora(m, f"policies[{i}].model", resolved.directory)
+            out[p.policy_id] = resolved.as_record()
+        return out
 
     def serve(self, name: str) -> RunResult:
         """`astratk deploy`: serve the run's deployment under `name` for trainer jobs that attach to it (blocking;
@@ -239,3 +264,16 @@ class Run:
 
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str)) and v is not None}
+
+
+def _check_lora(model: Any, key: str, directory: Any) -> None:
+    """A Hub model's LoRA target modules, once resolved (local ones are checked by `RunSpec.validate`)."""
+    if model.lora is None:
+        return
+    from astratk.models.lora import check_model_spec
+    from astratk.spec import StartError
+
+    try:
+        check_model_spec(model, key, directory)
+    except ValueError as e:
+        raise StartError(str(e)) from None

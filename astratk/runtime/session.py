@@ -177,9 +177,9 @@ class Session:
         """Every policy's starting model directory (built and warm-started, or from the cache)."""
         from astratk.models import ensure_model
 
-        for p in self.spec.policies:
+        for i, p in enumerate(self.spec.policies):
             t = time.perf_counter()
-            path = str(ensure_model(p.model, self.spec.env, log=self.print))
+            path = str(ensure_model(p.model, self.spec.env, log=self.print, key=f"policies[{i}].model"))
             self.model_paths[p.policy_id] = path
             self.print(f"model for {p.policy_id!r}: {path} ({time.perf_counter() - t:.0f}s)")
 
@@ -198,8 +198,9 @@ class Session:
                        f"{rp.snapshot_url}/{rp.snapshot_name}")
             return rp.store_url
         store_url = spec.weights.url or str(self.run_dir / "weights")
-        for p in spec.policies:
-            publish_initial(WeightStore(store_url), p.policy_id, self.model_paths[p.policy_id])
+        for i, p in enumerate(spec.policies):
+            publish_initial(WeightStore(store_url), p.policy_id, self.model_paths[p.policy_id],
+                            p.model.lora, key=f"policies[{i}].model.lora")
         return store_url
 
     def _start_cluster(self) -> None:

@@ -55,10 +55,16 @@ def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, mode
                  world_size: int = 1) -> GroupStream:
     """The policy's step batches from `datalayer`, padded with the model's pad token; `max_steps`
     defaults to the policy's `trainer.max_steps`."""
-    from transformers import AutoTokenizer
+    from astratk.models.loading import load_tokenizer
 
     ts = spec.policy(policy_id).trainer
-    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id
+    tokenizer = load_tokenizer(model_path)  # checked to round-trip, as the engines load it
+    # padding is masked out of the loss: any id does; the pad token, else end-of-text (Llama-style tokenizers)
+    pad_id = None if tokenizer is None else next(
+        (i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), None)
+    if pad_id is None:
+        raise ValueError(f"the model directory {model_path!r} of policy {policy_id!r} has no tokenizer with a pad "
+                         "or end-of-text token; the trainer pads batches with one (save the tokenizer with it)")
     return GroupStream(datalayer, policy_id, pad_id, start_step=start_step,
                        max_steps=ts.max_steps if max_steps is None else max_steps,
                        timeout_s=ts.batch_timeout_s, rank=rank, world_size=world_size)

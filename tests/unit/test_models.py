@@ -126,6 +126,9 @@ def test_user_path_is_returned_unchanged_or_rejected_by_name(tmp_path):
     with pytest.raises(ValueError, match=str(tmp_path)):
         ensure_model(ModelSpec(path=str(tmp_path)), ENV)
     (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no safetensors weights"):  # a run would fail later, loading it
+        ensure_model(ModelSpec(path=str(tmp_path)), ENV)
+    (tmp_path / "model.safetensors").write_bytes(b"")
     assert ensure_model(ModelSpec(path=str(tmp_path)), ENV) == tmp_path
 
 

@@ -41,7 +41,7 @@ def test_environment_yml_matches_pyproject():
     for dep in env["dependencies"]:
         if isinstance(dep, str) and dep not in ("pip",) and not dep.startswith("python="):
             name, _, spec = re.match(r"^([A-Za-z0-9_.\-]+)(([<>=!].*)?)$", dep).group(1, 0, 2)
-            conda[name.lower()] = spec.replace(" ", "")
+            conda[name.lower().replace("_", "-")] = spec.replace(" ", "")  # conda-forge: huggingface_hub
     pip = _pins(PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"])
     pip["pytorch"] = "==" + PYPROJECT["project"]["optional-dependencies"]["cpu"][0].split("==")[1]
     pip.pop("torch")
