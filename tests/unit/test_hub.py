@@ -31,7 +31,7 @@ def offline(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    import astratk.models.hub as hub
+    from astratk.models import hub
 
     monkeypatch.setattr(hub, "_resolved", {})
 

@@ -21,12 +21,14 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def wordlevel_model(directory, alphabet: str = string.printable + "é") -> None:
-    """A user's own model: one token per character (WordLevel), ChatML, a Qwen2 config beside it."""
+def wordlevel_model(directory, alphabet: str = string.printable + "é", fuse: bool = True) -> None:
+    """A user's own model: one token per character (WordLevel), ChatML, a Qwen2 config beside it. `fuse=False`
+    leaves out the decoder that joins characters (decoding then puts spaces between them)."""
     vocab = {t: i for i, t in enumerate(SPECIALS + list(dict.fromkeys(alphabet)))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    core.decoder = decoders.Fuse()
+    if fuse:
+        core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=SPECIALS[0], pad_token=SPECIALS[0],
                                   extra_special_tokens=SPECIALS[1:])
     tok.chat_template = CHATML
@@ -40,7 +42,7 @@ def test_autotokenizer_really_breaks_this_tokenizer(tmp_path):
     """The premise, so the other tests cannot pass vacuously on a transformers that loads it right."""
     wordlevel_model(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    assert round_trip_problem(tok) is not None
+    assert round_trip_problem(tok, alphabet=PreTrainedTokenizerFast.from_pretrained(str(tmp_path))) is not None
     assert tok.decode(tok("What is 37+48?")["input_ids"]) == "Whatis37+48?"
 
 
@@ -81,9 +83,21 @@ def test_vllm_gets_a_tokenizer_directory_autotokenizer_loads_as_saved(tmp_path):
 
 
 def test_nothing_round_trips_is_a_clear_error(tmp_path):
-    wordlevel_model(tmp_path, alphabet=string.ascii_letters + string.digits + "+?")  # no space, no newline
+    wordlevel_model(tmp_path, fuse=False)  # decodes "What" as "W h a t", whichever class loads it
     with pytest.raises(RuntimeError, match=r"does not round-trip text: AutoTokenizer \(Qwen2Tokenizer\).*as saved"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("alphabet", ["0123456789+= \n", "0123456789+="])
+def test_a_small_alphabet_is_not_a_fault(tmp_path, alphabet):
+    """Characters the saved tokenizer has no token for are left out of the check; spaces it has must survive."""
+    wordlevel_model(tmp_path, alphabet=alphabet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tok = load_tokenizer(tmp_path)
+    assert tok.decode(tok("12+3=15")["input_ids"]) == "12+3=15"
+    fell_back = any("as saved" in str(w.message) for w in caught)
+    assert fell_back == (" " in alphabet)  # with a space in the vocabulary, Qwen2Tokenizer's loss is caught
 
 
 def test_the_built_in_character_tokenizer_passes_without_warning(tmp_path):
