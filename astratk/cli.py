@@ -6,8 +6,9 @@ Subcommands:
   train   `astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR [--trainer.*]`:
           a LightningCLI trainer job for one policy, attached to a deployment (`astratk train fit --help`)
   status  deployments on a scheduler and their data layers' state (`astratk status --scheduler ADDR`)
-  export  `astratk export RUN_DIR OUT_DIR [--policy main] [--version N] [--overwrite]`: a trained policy as an HF
-          model directory (`astratk.models.export`; `astratk export --help` lists the other sources)
+  export  `astratk export RUN_DIR OUT_DIR [--policy main] [--version N] [--overwrite] [--merge]`: a trained policy
+          as an HF model directory, a LoRA policy as a PEFT adapter directory (`--merge`: merged weights)
+          (`astratk.models.export`; `astratk export --help` lists the other sources)
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the dtype to write (default: the base model's)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--merge", action="store_true", help="a LoRA policy: write the base model with the adapters "
+                   "merged in (a full HF model) instead of a PEFT adapter directory")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already printed); main returns instead of exiting
@@ -177,7 +180,8 @@ def _export(argv: list[str]) -> int:
 
     try:
         out = export_hf(args.source, args.out_dir, policy_id=args.policy, version=args.version,
-                        base_model=args.base_model, dtype=args.dtype, overwrite=args.overwrite)
+                        base_model=args.base_model, dtype=args.dtype, overwrite=args.overwrite,
+                        merge=args.merge)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
         print(f"astratk export: {message}", file=sys.stderr)

@@ -66,6 +66,41 @@ class TinyModelSpec:
 
 
 @dataclass
+class LoraSpec:
+    """LoRA adapters through PEFT: the trainer trains them, the base model stays frozen, the weight
+    store publishes the adapter tensors only and engines apply them on one shared copy of the base
+    (`astratk.models.lora`; README, "LoRA"). `ModelSpec.lora: null` trains every weight."""
+
+    # rank of each adapter's update B @ A
+    r: int = 8
+    # the update is scaled by alpha / r
+    alpha: float = 16.0
+    # dropout on the adapters' input while training (0: off). Above 0 the trainer's log-probs carry
+    # dropout noise, so on-policy ratios are no longer exactly 1.
+    dropout: float = 0.0
+    # the model's layers to adapt, by name or name suffix as PEFT matches them (each must name at
+    # least one Linear, Embedding or Conv layer of the model)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                               "o_proj"])
+
+    def validate(self, key: str = "model.lora") -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"{key}.r must be an integer rank >= 1 (e.g. 8), got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"{key}.alpha must be > 0 (the update is scaled by alpha / r), got "
+                             f"{self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{key}.dropout must be in [0, 1) (0: off), got {self.dropout!r}")
+        names = self.target_modules
+        if (isinstance(names, str) or not names
+                or not all(isinstance(n, str) and n.strip() for n in names)):
+            raise ValueError(f"{key}.target_modules must be a non-empty list of layer names, e.g. "
+                             f"[q_proj, v_proj], got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{key}.target_modules names a layer twice: {names!r}")
+
+
+@dataclass
 class ModelSpec:
     # An HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id (org/name),
     # resolved through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN); None builds
@@ -77,6 +112,8 @@ class ModelSpec:
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
     # default: $ASTRATK_CACHE or ~/.cache/astratk
     cache_dir: str | None = None
+    # LoRA adapters instead of full fine-tuning (None: every weight trains)
+    lora: LoraSpec | None = None
 
     def validate(self, key: str) -> None:
         """Cheap checks only: a local directory must hold config.json; a Hub id is resolved (and
@@ -98,6 +135,8 @@ class ModelSpec:
             raise ValueError(f"{key}.revision is set but {key}.path is empty (the tiny model has no "
                              "revisions); give a Hub id in path, or remove the revision")
         self.tiny.validate(f"{key}.tiny")
+        if self.lora is not None:
+            self.lora.validate(f"{key}.lora")
 
 
 # Lightning's accelerator names and precision values that a trainer accepts ("auto": see TrainerSpec).
@@ -151,6 +190,10 @@ class TrainerSpec:
     precision: str = "auto"
     # Lightning's strategy name (auto, ddp, fsdp...).
     strategy: str = "auto"
+    # On a GPU: the share of its memory this trainer's process may allocate (torch's
+    # set_per_process_memory_fraction), so that a rollout worker on the same GPU keeps its own
+    # (rollout.engine_args.gpu_memory_utilization); checked at start against the others. None: no cap.
+    gpu_memory_fraction: float | None = None
 
     def validate(self, key: str = "trainer") -> None:
         """Ranges; `aggregation` and `loggers` name entries of other modules' tables
@@ -181,6 +224,10 @@ class TrainerSpec:
                              f"{sorted(PRECISIONS)}")
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
             raise ValueError(f"{key}.devices must be a number of devices >= 1, got {self.devices!r}")
+        f = self.gpu_memory_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"{key}.gpu_memory_fraction must be a fraction of the GPU's memory in "
+                             f"(0, 1] (e.g. 0.5) or null (no cap), got {f!r}")
 
 
 @dataclass
@@ -222,8 +269,9 @@ class RolloutSpec:
     max_inflight_chunks: int = 2
     # most sequences the engine decodes together
     max_batch: int = 512
-    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} for
-    # vllm
+    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} (this
+    # engine's share of its GPU, torch and vllm); torch also takes device (auto, cpu, cuda, cuda:N)
+    # and dtype (auto: bfloat16 on a GPU with bf16, else float32)
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, key: str = "rollout") -> None:
@@ -443,6 +491,11 @@ class ClusterSpec:
     # TLS to an existing `tls://` scheduler; None: Dask's own config
     # (DASK_DISTRIBUTED__COMM__TLS__*), if any
     tls: TLSSpec | None = None
+    # One local rollout worker per GPU, CUDA_VISIBLE_DEVICES set per worker as dask-cuda's
+    # LocalCUDACluster sets it (its GPU is its cuda:0): "all" (every GPU torch sees) or indices
+    # ([1, 2, 3]: leave cuda:0 to the trainer); replaces rollout_workers. None: every worker sees
+    # every GPU (the engines' device picks one).
+    rollout_gpus: str | list[int] | None = None
 
     def validate(self, key: str = "cluster") -> None:
         """Ranges, pools and autoscale; TLS files and the labels every policy needs are in
@@ -467,6 +520,25 @@ class ClusterSpec:
             if a.pool is not None and a.pool not in pools:
                 raise ValueError(f"{key}.autoscale.pool: no worker class {a.pool!r}; classes are "
                                  f"{pools}")
+        if self.rollout_gpus is not None:
+            self._validate_gpus(key)
+
+    def _validate_gpus(self, key: str) -> None:
+        """`rollout_gpus` pins the workers of the local cluster's one rollout class; which GPUs exist
+        is checked on the machine (`astratk.validation`)."""
+        g = self.rollout_gpus
+        indices = isinstance(g, list) and g and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
+        if g != "all" and not (indices and len(set(g)) == len(g)):
+            raise ValueError(f"{key}.rollout_gpus must be 'all', a list of distinct GPU indices "
+                             f"(e.g. [1, 2]) or null, got {g!r}")
+        clash = ("scheduler_address" if self.scheduler_address is not None else
+                 "pools" if self.pools else "autoscale" if self.autoscale is not None else
+                 "processes: false" if not self.processes else None)
+        if clash is not None:
+            raise ValueError(f"{key}.rollout_gpus starts one local worker process per GPU, which "
+                             f"{key}.{clash} rules out; remove one of them (on a cluster of your own, "
+                             "start one `dask worker` per GPU: docs/cluster.md)")
 
 
 @dataclass

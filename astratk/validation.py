@@ -6,6 +6,9 @@ runs those and adds what one dataclass cannot know:
 - rules between fields: every env role played by exactly one policy, `dataflow.mixing` naming the
   env's sources, the synchronous mode's cluster and publish cadence, pool labels for every policy,
   `weights.publish_dtype` against the engines' dtype;
+- what the machine has, for a local cluster (`astratk.gpu`): `rollout.engine_args.device` / `.dtype` (a GPU asked
+  for and absent, bf16 on a GPU without it), `cluster.rollout_gpus`; and, once a run starts (`check_gpu_memory`),
+  whether the memory fractions of everything that shares a GPU fit;
 - names that other modules own, asked of their owner: `trainer.aggregation`
   (`astratk.training.aggregation`), `trainer.loggers` (`astratk.training.loggers.check_loggers`),
   `dataflow.advantage` (`astratk.dataflow.advantages.get_advantage`), `rollout.engine`
@@ -45,11 +48,14 @@ def validate(spec: RunSpec) -> RunSpec:
         p.validate(key)
         check_roles(p, key, env, seen)
         check_trainer_names(p.trainer, f"{key}.trainer")
+        check_lora(p, key)
     missing = [r for r in env.roles if r not in seen]
     if missing:
         raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them "
                          "to a policy's roles")
     check_engine(spec.rollout.engine)
+    if lora := [i for i, p in enumerate(spec.policies) if p.model.lora is not None]:
+        check_engine_adapters(spec.rollout.engine, f"policies[{lora[0]}].model.lora")
     spec.rollout.validate("rollout")
     spec.dataflow.validate("dataflow")
     check_dataflow(spec.dataflow, env)
@@ -59,8 +65,9 @@ def validate(spec: RunSpec) -> RunSpec:
         check_synchronous(spec)
     spec.eval.validate("eval")
     spec.weights.validate("weights")
-    engine_dtype = spec.rollout.engine_args.get("dtype", "float32")
-    if spec.weights.publish_dtype is not None and spec.weights.publish_dtype != engine_dtype:
+    engine_dtype = check_engine_placement(spec)
+    if (spec.weights.publish_dtype is not None and engine_dtype is not None
+            and spec.weights.publish_dtype != engine_dtype):
         raise ValueError(f"weights.publish_dtype is {spec.weights.publish_dtype!r} but the engines "
                          f"run {engine_dtype!r} (rollout.engine_args.dtype): every sync would "
                          "fetch a delta the engine refuses and then the full state; publish in the "
@@ -79,6 +86,21 @@ def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None
             raise ValueError(f"{key}.roles: role {role!r} is already played by policy "
                              f"{seen[role]!r}")
         seen[role] = p.policy_id
+
+
+def check_lora(p: PolicySpec, key: str) -> None:
+    """`model.lora.target_modules` against the model's layers (`astratk.models.lora`), from its
+    config alone, for the tiny model and local directories; a Hub id is checked once the run has
+    resolved it (`astratk.runtime.run`), and every model again when its adapters are made."""
+    if p.model.lora is None:
+        return
+    from astratk.models.hub import is_hub_id
+
+    if p.model.path is not None and is_hub_id(p.model.path):
+        return
+    from astratk.models.lora import check_model_spec
+
+    check_model_spec(p.model, f"{key}.model")
 
 
 def check_trainer_names(t: TrainerSpec, key: str) -> None:
@@ -101,6 +123,18 @@ def check_engine(name: str, key: str = "rollout.engine") -> None:
         from astratk.engines._vllm_compat import INSTALL_HINT
 
         raise ValueError(f"{key}: {name!r} needs vLLM, which is not installed here: {INSTALL_HINT}")
+
+
+def check_engine_adapters(name: str, lora_key: str, key: str = "rollout.engine") -> None:
+    """An engine that serves LoRA policies must apply adapters (`add_adapter`:
+    `astratk.engines.adapters`)."""
+    from astratk.registry import resolve
+
+    cls = resolve("engine", name)
+    if not callable(getattr(cls, "add_adapter", None)):
+        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+            f"{key}: {name!r} ({cls.__qualname__}) cannot apply LoRA adapters, and {lora_key} is "
+            f"set; use rollout.engine: torch or vllm, or remove {lora_key}")
 
 
 def check_dataflow(d: DataflowSpec, env: Env, key: str = "dataflow") -> None:
@@ -142,15 +176,54 @@ def check_cluster(c: ClusterSpec, policies: list[str], key: str = "cluster") -> 
                              f"{{{', '.join(f'{r}: 1' for r in labels)}}}")
 
 
+def _local(spec: RunSpec) -> bool:
+    """Whether the run's rollout workers start on this machine (a local cluster)."""
+    return spec.cluster.scheduler_address is None
+
+
+def check_engine_placement(spec: RunSpec, key: str = "rollout.engine_args") -> str | None:
+    """The torch engine's `device`, `dtype` and `gpu_memory_utilization`, resolved on this machine
+    when the workers start here (`astratk.gpu`), only their form otherwise (a cluster's workers have
+    their own GPUs); and `cluster.rollout_gpus` against the GPUs here. Returns the dtype the
+    engines will run (None: not known here: auto on a cluster of your own)."""
+    from astratk import gpu
+
+    args = spec.rollout.engine_args
+    if spec.cluster.rollout_gpus is not None and _local(spec):
+        gpu.rollout_gpus(spec.cluster.rollout_gpus)  # they exist here
+    gpu.check_fraction(args.get("gpu_memory_utilization"), f"{key}.gpu_memory_utilization")
+    if resolve_path("engine", spec.rollout.engine) != REGISTRY["engine"]["torch"]:
+        return args.get("dtype", "float32")  # other engines' own default (vLLM's wrapper: float32)
+    device, dtype = args.get("device", "auto"), args.get("dtype", "auto")
+    if _local(spec):
+        if spec.cluster.rollout_gpus is not None and device == "auto":
+            device = "cuda:0"  # each worker's own GPU
+        resolved = gpu.resolve_device(device, f"{key}.device")
+        if spec.cluster.rollout_gpus is not None and resolved.startswith("cuda"):
+            seen = len(gpu.rollout_gpus(spec.cluster.rollout_gpus))
+            if int(resolved.split(":")[1]) >= seen:
+                raise ValueError(f"{key}.device is {device!r} but each rollout worker sees the {seen} GPU(s) "
+                                 "of cluster.rollout_gpus, its own as cuda:0; use auto or cuda:0")
+        return gpu.resolve_dtype(dtype, resolved, f"{key}.dtype")
+    gpu.check_device_form(device, f"{key}.device")
+    if dtype not in gpu.ENGINE_DTYPES:
+        gpu.resolve_dtype(dtype, "cpu", f"{key}.dtype")  # raises, naming the choices
+    return None if dtype == "auto" else dtype
+
+
 def check_synchronous(spec: RunSpec) -> None:
     """What `dataflow.synchronous: true` needs besides itself (max_staleness is then 0 whatever it
     says)."""
     c = spec.cluster
     workers = sum(wc.count for wc in c.pools) if c.pools else c.rollout_workers
+    if c.rollout_gpus is not None:  # one worker per GPU (a local cluster only: ClusterSpec.validate)
+        from astratk.gpu import rollout_gpus
+
+        workers = len(rollout_gpus(c.rollout_gpus))
     if workers != 1 or c.autoscale is not None:
         raise ValueError(f"dataflow.synchronous runs one rollout worker (got {workers} in "
-                         "cluster.rollout_workers/"
-                         f"pools{', and cluster.autoscale' if c.autoscale else ''}); set "
+                         "cluster.rollout_workers/pools/"
+                         f"rollout_gpus{', and cluster.autoscale' if c.autoscale else ''}); set "
                          "cluster.rollout_workers: 1 and remove pools/autoscale, or turn "
                          "synchronous off")
     for i, p in enumerate(spec.policies):
@@ -158,3 +231,83 @@ def check_synchronous(spec: RunSpec) -> None:
             raise ValueError(f"policies[{i}].trainer.publish_every is {p.trainer.publish_every}; "
                              "dataflow.synchronous trains step k on version k's rollouts, so it "
                              "must be 1")
+
+
+# ------------------------------------------------------------------------------------- at a run's start
+
+
+def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:
+    """Before a local run writes anything: its trainers can be placed here (a GPU asked for and
+    absent, bf16 on a GPU without it: `astratk.training.build.placement`), and on each GPU of this
+    machine the memory fractions of everything the run places there fit (`astratk.gpu.check_fit`:
+    sum <= 1, and within what is free now). Counted: each policy's `trainer.gpu_memory_fraction` on its trainer's GPUs (when the
+    trainers run here: not for `astratk deploy`), and `rollout.engine_args.gpu_memory_utilization`
+    for every engine of every local rollout worker on its engine's GPU: one rollout and one
+    evaluation engine per policy (vLLM's default 0.9 when unset, as vLLM takes it). Fractions left
+    unset are not capped, and not counted. Not at start time in `validate`: a trainer job checks
+    its spec after the rollout workers took their memory."""
+    import torch
+
+    from astratk.gpu import check_fit
+    from astratk.spec import StartError
+
+    shares: dict[int, list[tuple[str, float]]] = {}
+    try:  # one line at start, before anything is written (the CLI prints a StartError alone)
+        if trainers_here:
+            for index, what, fraction in _trainer_shares(spec):
+                shares.setdefault(index, []).append((what, fraction))
+        if not torch.cuda.is_available():
+            return
+        if _local(spec):
+            for index, what, fraction in _engine_shares(spec):
+                shares.setdefault(index, []).append((what, fraction))
+        for index in sorted(shares):
+            check_fit(index, shares[index])
+    except ValueError as e:
+        raise StartError(str(e)) from None
+
+
+def _trainer_shares(spec: RunSpec) -> list[tuple[int, str, float]]:
+    """(GPU index, key, fraction) of each policy's trainer that runs on a GPU with a fraction set:
+    Lightning's first `devices` GPUs. Every trainer's placement is resolved here
+    (`astratk.training.build.placement`), so that its errors come before anything is written."""
+    from astratk.training.build import placement
+
+    out = []
+    for i, p in enumerate(spec.policies):
+        key = f"policies[{i}].trainer"
+        flags = placement(p.trainer, key)
+        if p.trainer.gpu_memory_fraction is not None and flags["accelerator"] == "gpu":
+            out += [(g, f"{key}.gpu_memory_fraction", p.trainer.gpu_memory_fraction)
+                    for g in range(flags["devices"])]
+    return out
+
+
+def _engine_shares(spec: RunSpec) -> list[tuple[int, str, float]]:
+    """(GPU index here, what, fraction) of the engines of the local cluster's rollout workers."""
+    from astratk.gpu import cuda_visible_devices, gpu_index, resolve_device, rollout_gpus, visible_gpus
+
+    args, engine = spec.rollout.engine_args, resolve_path("engine", spec.rollout.engine)
+    fraction = args.get("gpu_memory_utilization")
+    if engine == REGISTRY["engine"]["vllm"]:
+        device, label = "cuda:0", "rollout.engine_args.gpu_memory_utilization"
+        if fraction is None:
+            fraction, label = 0.9, "vLLM's default gpu_memory_utilization"
+    elif engine == REGISTRY["engine"]["torch"] and fraction is not None:
+        device, label = args.get("device", "auto"), "rollout.engine_args.gpu_memory_utilization"
+        device = resolve_device("cuda:0" if spec.cluster.rollout_gpus and device == "auto" else device)
+    else:
+        return []
+    if not device.startswith("cuda"):
+        return []
+    engines = 2 * len(spec.policies)  # a rollout and an evaluation engine per policy, per worker
+    what = f"{engines} engines x {label}"
+    k, here = gpu_index(device), visible_gpus()
+    if spec.cluster.rollout_gpus is not None:  # worker i sees the list rotated; its cuda:k is ...
+        gpus = rollout_gpus(spec.cluster.rollout_gpus)
+        return [(here.index(cuda_visible_devices(i, gpus).split(",")[k]), f"rollout-{i}: {what}",
+                 engines * fraction) for i in range(len(gpus))]
+    workers = sum(wc.count for wc in spec.cluster.pools  # the classes that serve rollouts
+                  if wc.resources is None or any(r.startswith("rollout_") for r in wc.resources))
+    workers = workers if spec.cluster.pools else spec.cluster.rollout_workers
+    return [(k, f"{workers} rollout worker(s) x {what}", workers * engines * fraction)]

@@ -17,7 +17,10 @@ Adding an engine:
    parameter (or the constructor takes `**kwargs`), else building it fails naming the parameters it takes;
 4. add a line to `astratk.registry.REGISTRY["engine"]`, or let configs use its dotted path;
 5. test it like tests/unit/test_torch_engine.py: its log-probs must equal `astratk.training.logprobs.token_logprobs`
-   on the same weights.
+   on the same weights;
+6. to serve policies trained with LoRA (`model.lora`), also implement `add_adapter`, `adapter_version` and the
+   `adapter=` argument of `submit` / `load_weights` (`astratk.engines.adapters`); `rollout.engine` is refused for
+   LoRA policies otherwise.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ too: only rows that have them decode, each step, a short tail of their generated
 Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (so r = 1 on-policy); T = 0 is greedy, scored with the
 untempered softmax. Behaviour log-probs come from `logprobs_from_logits`, the trainer's formula.
 
+Devices and memory. `device` (auto, cpu, cuda, cuda:N) and `dtype` (auto, float32, bfloat16, float16) come from
+`rollout.engine_args`; auto is the GPU in bf16 when torch sees one (`astratk.gpu`), else the CPU in fp32. Everything a
+batch computes (ids, masks, the KV cache, seeds, samples) lives on the model's device; results come back to the CPU
+once per batch. `gpu_memory_utilization` (vLLM's name and meaning: this engine's fraction of the GPU's memory) caps
+this process's CUDA allocator at that share and cuts batches so that the weights, the KV cache and the activations
+fit (`astratk.engines.memory`); the engine prints what the budget allows when it starts.
+
 Seeds. Random numbers are a counter-based hash of (row seed, token index), so a request with `params.seed` gets the
 same completion whatever shares its batch; unseeded rows draw a seed from the engine's generator (`seed=`). Equal
 seeds and prompts give equal completions: give each episode of a group its own seed, or none.
@@ -24,6 +31,14 @@ The KV cache lives only inside a batch, so nothing computed under old weights ou
 for at most the batch in flight. A `SparseDelta` is written in place under the same lock, and only onto the version it
 was made from (`base_version` must equal the engine's version when the lock is taken; otherwise the load fails and
 changes nothing, and the caller fetches a full state). Both kinds check names and shapes before the first write.
+
+LoRA adapters. `add_adapter(name, lora, state, version)` attaches a PEFT LoRA adapter to the model (the base is
+held once, however many adapters) and returns its `AdapterView` (`astratk.engines.adapters`), whose requests name
+the adapter. A batch runs rows of one adapter (or of the base alone): the batcher takes the oldest queued request's
+adapter and the queued requests of that adapter, so each adapter keeps its requests' order and none waits behind
+more than the batches ahead of it. An adapter's `load_weights` (its tensors by saved PEFT name, or a `SparseDelta`
+from its version) takes the same lock, so the guarantees above hold per adapter and every token carries the version
+of its adapter. An engine without adapters runs exactly as before.
 """
 
 from __future__ import annotations
@@ -47,6 +62,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from astratk.contracts import Completion, GenerationRequest, expand_samples
+from astratk.engines.memory import MARGIN, MemoryBudget, model_budget
+from astratk.gpu import check_fraction, reserve_memory, resolve_device, resolve_dtype
 from astratk.models.loading import load_causal_lm, load_tokenizer
 from astratk.models.logprobs import logprobs_from_logits
 from astratk.weights.delta import SparseDelta, apply_delta
@@ -174,6 +191,7 @@ class _Call:
 
     requests: list[GenerationRequest]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    adapter: str | None = None  # the LoRA adapter its requests run with (None: the base model)
 
     def __post_init__(self) -> None:
         self.results: list[Completion | None] = [None] * len(self.requests)
@@ -192,27 +210,34 @@ class TorchEngine:
         >>> engine.close()  # doctest: +SKIP
     """
 
-    def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 512, dtype: str = "float32",
-                 device: str = "cpu", version: int = 0, batch_window_s: float = 0.002, seed: int = 0) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 512, dtype: str = "auto",
+                 device: str = "auto", gpu_memory_utilization: float | None = None, version: int = 0,
+                 batch_window_s: float = 0.002, seed: int = 0) -> None:
+        # keys as a run config names them (rollout.engine_args), where these arguments come from
+        device = resolve_device(device, "rollout.engine_args.device")
+        dtype = resolve_dtype(dtype, device, "rollout.engine_args.dtype")
+        check_fraction(gpu_memory_utilization, "rollout.engine_args.gpu_memory_utilization")
         path = os.fspath(model_path)
         model = load_causal_lm(str(path), _DTYPES[dtype], device)
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         tokenizer = load_tokenizer(path) if has_tokenizer else None  # checked to round-trip text
-        self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed)
+        self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
+                    gpu_memory_utilization=gpu_memory_utilization)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, *, max_batch: int = 512, version: int = 0,
-                   batch_window_s: float = 0.002, seed: int = 0) -> TorchEngine:
+                   batch_window_s: float = 0.002, seed: int = 0,
+                   gpu_memory_utilization: float | None = None) -> TorchEngine:
         """Serve an in-memory model (on its current device and dtype). The engine puts it in eval mode and, on CPU
         with sdpa attention, switches it to the grouped-K/V variant `_sdpa_gqa` (same outputs, faster decode)."""
         self = cls.__new__(cls)
-        self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed)
+        self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
+                    gpu_memory_utilization=check_fraction(gpu_memory_utilization,
+                                                          "rollout.engine_args.gpu_memory_utilization"))
         return self
 
     def _setup(self, model: torch.nn.Module, tokenizer: Any, *, max_batch: int, version: int,
-               batch_window_s: float, seed: int) -> None:
+               batch_window_s: float, seed: int, gpu_memory_utilization: float | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self._model, self._tokenizer, self._device = model.eval(), tokenizer, next(model.parameters()).device
@@ -227,7 +252,11 @@ class TorchEngine:
         self._cond = threading.Condition()  # guards the queue, `closed` and `loads_waiting`
         self._pending: collections.deque[tuple[_Call, int]] = collections.deque()  # (call, request index)
         self._closed, self._worker = False, None
-        self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0}
+        self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
+                       "budget_capped_batches": 0}
+        self._memory, self._release_memory = self._budget(gpu_memory_utilization)
+        self._adapters: dict[str, _Adapter] = {}  # LoRA adapters by name (module docstring)
+        self._active: str | None | object = None  # the adapter the model applies now (None: the base alone)
 
     # ------------------------------------------------------------------------------------------------ protocol
     @property
@@ -240,12 +269,42 @@ class TorchEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters since construction: batches run, requests and tokens served, largest batch, failed batches."""
+        """Counters since construction: batches run, requests and tokens served, largest batch, failed batches,
+        batches cut short by the memory budget."""
         return dict(self._stats)
 
-    def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future:
-        """Queue requests from any thread; the future resolves to their completions, in order (n per request)."""
-        call = _Call(expand_samples(requests))
+    @property
+    def memory(self) -> MemoryBudget | None:
+        """The GPU memory budget the batcher keeps to (`gpu_memory_utilization`); None: no budget, or the CPU."""
+        return self._memory
+
+    def _budget(self, fraction: float | None) -> tuple[MemoryBudget | None, Any]:
+        """The budget on a GPU, with this process's allocator capped at it (added to other holders' shares; the
+        second value gives it back). On the CPU a budget does not apply: a config that sets one for GPU machines
+        runs unchanged on a laptop."""
+        if fraction is None or self._device.type != "cuda":
+            return None, None
+        budget = model_budget(self._model, str(self._device), fraction)
+        if budget.free_bytes <= 0:
+            raise ValueError(f"rollout.engine_args.gpu_memory_utilization {fraction} of {self._device} is "
+                             f"{budget.budget_bytes / 2**30:.2f} GiB, not more than the weights "
+                             f"({budget.weight_bytes / 2**30:.2f} GiB) and a {int(100 * MARGIN)}% margin; raise it")
+        release = reserve_memory(self._device, fraction, self)
+        # A budget the user set is reported where the engine runs (a local cluster's workers print to its console).
+        print(budget.describe(self._max_batch), flush=True)
+        return budget, release
+
+    def _fits(self, rows: int, prompt_width: int, new_tokens: int) -> bool:
+        """Whether a batch of `rows` rows, prompts padded to `prompt_width`, up to `new_tokens` new tokens, stays
+        within the memory budget (no budget: always)."""
+        return self._memory is None or self._memory.rows(prompt_width, new_tokens) >= rows
+
+    def submit(self, requests: Sequence[GenerationRequest], adapter: str | None = None) -> concurrent.futures.Future:
+        """Queue requests from any thread; the future resolves to their completions, in order (n per request).
+        `adapter`: the LoRA adapter to run them with (`add_adapter`; None: the base model)."""
+        call = _Call(expand_samples(requests), adapter=adapter)
+        if adapter is not None:
+            self._adapter(adapter)
         for r in call.requests:
             self._validate(r)
         if not call.requests:
@@ -264,30 +323,97 @@ class TorchEngine:
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         return await asyncio.wrap_future(self.submit(requests))
 
-    def load_weights(self, state: Mapping[str, torch.Tensor] | SparseDelta, version: int) -> None:
+    def load_weights(self, state: Mapping[str, torch.Tensor] | SparseDelta, version: int,
+                     adapter: str | None = None) -> None:
         """Copy `state` (any subset of the model's parameter names) into the model, or write a `SparseDelta` made
-        from the engine's current version into it; applied between batches."""
+        from the engine's current version into it; applied between batches. With `adapter`, the same for that LoRA
+        adapter's tensors (by saved PEFT name) and version."""
+        slot = None if adapter is None else self._adapter(adapter)
+        params = self._params if slot is None else slot.tensors
         if isinstance(state, SparseDelta):
             if state.version != version:
                 raise ValueError(f"load_weights: the delta produces version {state.version}, not {version}")
         else:
-            self._check_state(state)
+            self._check_state(state, params)
         with self._cond:
             self._loads_waiting += 1
         try:
             with self._weights_lock, torch.no_grad():
+                current = self._version if slot is None else slot.version
                 if not isinstance(state, SparseDelta):
                     for name, tensor in state.items():
-                        self._params[name].copy_(tensor)
-                elif state.base_version != self._version:  # checked under the lock: a load in between moves it
-                    raise ValueError(f"load_weights: the engine is at version {self._version} and the delta needs "
+                        params[name].copy_(tensor)
+                elif state.base_version != current:  # checked under the lock: a load in between moves it
+                    raise ValueError(f"load_weights: the engine is at version {current} and the delta needs "
                                      f"base version {state.base_version}; fetch a full state instead")
                 else:
-                    apply_delta(self._params, state)  # checks every name, shape and dtype before writing any
-                self._version = version
+                    apply_delta(params, state)  # checks every name, shape and dtype before writing any
+                if slot is None:
+                    self._version = version
+                else:
+                    slot.version = version
         finally:
             with self._cond:
                 self._loads_waiting -= 1
+
+    # ------------------------------------------------------------------------------------------------ adapters
+    def add_adapter(self, name: str, lora: Any, state: Mapping[str, torch.Tensor], version: int) -> Any:
+        """Attach LoRA adapter `name` (`lora`: its `LoraSpec`) with tensors `state` (by saved PEFT name, as the
+        trainer publishes them) at `version`; returns its `AdapterView`. Waits for the batch in flight."""
+        from astratk.engines.adapters import AdapterView
+        from astratk.models.lora import inject_adapter, remove_adapter
+
+        if name in self._adapters:
+            raise ValueError(f"add_adapter: the engine already has an adapter {name!r}; load_weights moves it")
+        dtype = next(t for t in self._params.values() if t.is_floating_point()).dtype
+        slot = f"astratk{len(self._adapters)}"  # PEFT's module-dict key (no dots): the user's name may have any
+        with self._weights_lock, torch.no_grad():
+            tensors = inject_adapter(self._model, lora, slot, dtype)
+            try:
+                self._check_state(state, tensors)
+                if missing := sorted(set(tensors) - set(state)):
+                    raise KeyError(f"add_adapter: {len(missing)} adapter tensors missing from the state, e.g. "
+                                   f"{missing[:2]}")
+                for key, tensor in state.items():
+                    tensors[key].copy_(tensor)
+            except BaseException:
+                remove_adapter(self._model, slot)
+                self._active = _UNKNOWN  # PEFT may have switched the active adapter
+                raise
+            self._active = _UNKNOWN
+            self._adapters[name] = _Adapter(slot, tensors, version)
+        return AdapterView(self, name)
+
+    def adapter(self, name: str) -> Any:
+        """The `AdapterView` of adapter `name`."""
+        from astratk.engines.adapters import AdapterView
+
+        self._adapter(name)
+        return AdapterView(self, name)
+
+    def adapter_version(self, name: str) -> int:
+        return self._adapter(name).version
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the attached LoRA adapters."""
+        return list(self._adapters)
+
+    def _adapter(self, name: str) -> _Adapter:
+        try:
+            return self._adapters[name]
+        except KeyError:
+            raise KeyError(f"the engine has no adapter {name!r} (adapters: {sorted(self._adapters)}); attach it "
+                           "with add_adapter") from None
+
+    def _activate(self, adapter: str | None) -> int:
+        """Under the weights lock: make the model apply `adapter` (None: the base alone); returns its version."""
+        if adapter != self._active:
+            from astratk.models.lora import activate
+
+            activate(self._model, None if adapter is None else self._adapters[adapter].slot)
+            self._active = adapter
+        return self._version if adapter is None else self._adapters[adapter].version
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker after its current batch; queued calls fail with RuntimeError."""
@@ -297,10 +423,14 @@ class TorchEngine:
             self._cond.notify_all()
         for call, _ in pending:
             _settle(call.future, error=RuntimeError("engine closed before this request ran"))
-        if self._worker is not None and self._worker is not threading.current_thread():
-            self._worker.join(timeout_s)
-            if self._worker.is_alive():
-                raise TimeoutError(f"TorchEngine worker still running its batch after {timeout_s}s at close()")
+        try:
+            if self._worker is not None and self._worker is not threading.current_thread():
+                self._worker.join(timeout_s)
+                if self._worker.is_alive():
+                    raise TimeoutError(f"TorchEngine worker still running its batch after {timeout_s}s at close()")
+        finally:
+            if self._release_memory is not None:  # this process's share of the GPU, given back
+                self._release_memory()
 
     def __enter__(self) -> TorchEngine:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
@@ -309,25 +439,33 @@ class TorchEngine:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TorchEngine({type(self._model).__name__}, version={self._version}, device={self._device})"
+        dtype = next(self._model.parameters()).dtype
+        return f"TorchEngine({type(self._model).__name__}, version={self._version}, device={self._device}, {dtype})"
 
     # ------------------------------------------------------------------------------------------------ batcher
     def _validate(self, r: GenerationRequest) -> None:
         """Reject a bad request at its caller, before it can fail a batch shared with others."""
         check_prompt(r, self._vocab)
+        if self._memory is not None and self._memory.rows(len(r.prompt_ids), r.params.max_tokens) < 1:
+            need = self._memory.row_bytes(len(r.prompt_ids), r.params.max_tokens)
+            raise ValueError(f"a request of {len(r.prompt_ids)} prompt + {r.params.max_tokens} new tokens needs "
+                             f"{need / 2**20:.0f} MiB on {self._device}, more than the "
+                             f"{max(0, self._memory.free_bytes) / 2**20:.0f} MiB the engine's budget leaves after the "
+                             "weights; raise rollout.engine_args.gpu_memory_utilization or shorten the request")
         if r.params.stop and self._tokenizer is None:
             raise ValueError(f"stop strings {r.params.stop!r} need an engine with a tokenizer: give one to "
                              "TorchEngine.from_model(model, tokenizer), or serve a model directory with tokenizer "
                              "files; or stop on token ids (stop_token_ids)")
 
-    def _check_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Reject a full state the model cannot take before waiting for the lock (deltas: `apply_delta` checks)."""
-        if unknown := sorted(set(state) - set(self._params)):
+    def _check_state(self, state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+        """Reject a full state `params` (the model's, or an adapter's) cannot take before waiting for the lock
+        (deltas: `apply_delta` checks)."""
+        if unknown := sorted(set(state) - set(params)):
             raise KeyError(f"load_weights: {len(unknown)} names the model lacks, e.g. {unknown[:3]}; expected names "
-                           f"like {sorted(self._params)[:3]}")
-        if bad := [(k, tuple(v.shape)) for k, v in state.items() if v.shape != self._params[k].shape]:
+                           f"like {sorted(params)[:3]}")
+        if bad := [(k, tuple(v.shape)) for k, v in state.items() if v.shape != params[k].shape]:
             raise ValueError(f"load_weights: shape mismatch for {bad[:3]}; the model's are "
-                             f"{[tuple(self._params[k].shape) for k, _ in bad[:3]]}")
+                             f"{[tuple(params[k].shape) for k, _ in bad[:3]]}")
 
     def _serve(self) -> None:
         try:
@@ -339,7 +477,7 @@ class TorchEngine:
 
     def _serve_batch(self, items: list[tuple[_Call, int]]) -> None:
         try:
-            completions = self._run_batch([call.requests[i] for call, i in items])
+            completions = self._run_batch([call.requests[i] for call, i in items], items[0][0].adapter)
         except Exception as e:  # noqa: BLE001 - the batch's callers get it; the worker keeps serving
             self._stats["errors"] += 1
             for call in {id(c): c for c, _ in items}.values():
@@ -361,19 +499,36 @@ class TorchEngine:
             deadline = time.monotonic() + self._window
             while len(self._pending) < self._max_batch and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(timeout=left)
-            items = []
+            items: list[tuple[_Call, int]] = []
+            others: collections.deque[tuple[_Call, int]] = collections.deque()  # other adapters' requests
+            full = False  # the memory budget holds no more rows: the rest waits for the next batch, in order
+            width = new = 0  # the batch's longest prompt and largest token budget so far
             while self._pending and len(items) < self._max_batch:
                 call, i = self._pending.popleft()
-                if not call.future.done():  # skip calls already failed or cancelled
+                if call.future.done():  # skip calls already failed or cancelled
+                    continue
+                r = call.requests[i]
+                wider, longer = max(width, len(r.prompt_ids)), max(new, r.params.max_tokens)
+                if items and call.adapter != items[0][0].adapter:  # a batch runs one adapter's rows
+                    others.append((call, i))
+                elif items and (full or not self._fits(len(items) + 1, wider, longer)):
+                    full = True
+                    others.append((call, i))
+                else:
                     items.append((call, i))
+                    width, new = wider, longer
+            self._stats["budget_capped_batches"] += full
+            if others:  # back to the front, in their order
+                others.extend(self._pending)
+                self._pending = others
         while self._loads_waiting:  # let a waiting load_weights take the lock first
             time.sleep(1e-4)
         return items
 
     # ------------------------------------------------------------------------------------------------ decoding
-    def _run_batch(self, requests: list[GenerationRequest]) -> list[Completion]:
+    def _run_batch(self, requests: list[GenerationRequest], adapter: str | None = None) -> list[Completion]:
         with self._weights_lock, torch.inference_mode():
-            version = self._version
+            version = self._activate(adapter) if self._adapters else self._version
             tokens, logprobs, lengths, stopped, top_ids, top_lp = self._decode(requests)
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
         top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
@@ -453,6 +608,18 @@ class TorchEngine:
         if not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = lambda: _GrowingLayer(capacity)
         return cache
+
+
+_UNKNOWN = object()  # `_active` after PEFT changed adapters itself: the next batch sets its own
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """One LoRA adapter of the engine: its PEFT slot name, its live tensors by saved name, its version."""
+
+    slot: str
+    tensors: dict[str, torch.Tensor]
+    version: int
 
 
 @dataclass

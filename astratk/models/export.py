@@ -20,6 +20,12 @@ the store's checksum of the version) and the sha256 of every weights file writte
 
 A run starts from the result like from any HF directory: `ModelSpec(path=out_dir)`.
 
+A policy trained with LoRA (`model.lora`; its store records the adapter config, its checkpoints the adapters and
+`hyper_parameters.lora`) exports as a **PEFT adapter directory** (`adapter_config.json`, naming the base model
+directory, + `adapter_model.safetensors` + provenance), which `PeftModel.from_pretrained(base, out_dir)` and vLLM's
+`LoRARequest` load; with `merge=True` (`--merge`) as a full HF model directory instead, the adapters merged into the
+base weights (loadable by `AutoModelForCausalLM.from_pretrained`, like any export above).
+
 Example:
     >>> export_hf("runs/quickstart-20261129-233054-b689", "exports/quickstart")  # doctest: +SKIP
     PosixPath('exports/quickstart')
@@ -44,6 +50,7 @@ from typing import Any
 import torch
 
 from astratk import __version__
+from astratk.spec import LoraSpec
 
 PROVENANCE = "astratk_export.json"
 # Non-weight files of a base directory that are not copied: the config `save_pretrained` writes, and records that
@@ -61,13 +68,15 @@ class _Source:
     base_model: Path  # the HF directory that supplies config, tokenizer and architecture
     provenance: dict[str, Any] = field(default_factory=dict)  # kind, location, version, ... for astratk_export.json
     protected: tuple[Path, ...] = ()  # paths the export must not overwrite (its own inputs)
+    lora: LoraSpec | None = None  # set when `state` holds LoRA adapter tensors (saved PEFT names) only
 
 
 def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, policy_id: str = "main",
               version: int | None = None, base_model: str | os.PathLike | None = None, dtype: str | None = None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, merge: bool = False) -> Path:
     """Write policy `policy_id`'s weights at `version` (None: the newest published) from `source` (module
-    docstring) as an HF model directory `out_dir`, and return it.
+    docstring) as an HF model directory `out_dir`, and return it. A LoRA policy's adapters are written as a PEFT
+    adapter directory, or with `merge=True` merged into the base model as a full HF model directory.
 
     `dtype`: "float32", "bfloat16" or "float16"; None keeps the base config's dtype. A non-empty `out_dir` is
     replaced only with `overwrite=True`, and never when it holds the export's own inputs.
@@ -84,11 +93,15 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, policy_i
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            written_dtype = _write_model(src, tmp, dtype)
-            copied = _copy_side_files(src.base_model, tmp)
-            _check_tokenizer(src.base_model, tmp)
+            if src.lora is not None and not merge:
+                written_dtype, copied, kind = _write_adapter(src, tmp, dtype), [], "peft_adapter"
+            else:
+                written_dtype = _write_model(src, tmp, dtype)
+                copied = _copy_side_files(src.base_model, tmp)
+                _check_tokenizer(src.base_model, tmp)
+                kind = "merged_lora" if src.lora is not None else "model"
             record = {"policy_id": policy_id, **src.provenance, "base_model": str(src.base_model),
-                      "dtype": written_dtype, "copied_files": copied,
+                      "export_kind": kind, "dtype": written_dtype, "copied_files": copied,
                       "weights_sha256": {p.name: _sha256(p) for p in sorted(tmp.glob("*.safetensors"))},
                       "exported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "astratk_version": __version__}
@@ -197,7 +210,13 @@ def _from_store(url: str, policy_id: str, version: int | None, base: Path, prove
     state, ref = store.pull(policy_id, None, version)  # from nothing: always a full state dict; KeyError names
     #   the retained versions when `version` is missing
     provenance = {**provenance, "version": ref.version, "store_checksum": ref.checksum, "store_kind": ref.kind}
-    return _Source(state, base, provenance, (*protected, base))
+    config = store.adapter_config(policy_id)
+    lora = None
+    if config is not None:
+        from astratk.models.lora import lora_from_config
+
+        lora = lora_from_config(config)
+    return _Source(state, base, provenance, (*protected, base), lora)
 
 
 def _store_policies(store: Any) -> list[str]:
@@ -222,6 +241,11 @@ def _from_checkpoint(path: Path, policy_id: str, version: int | None, base: Path
     state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
     if not state:
         raise ValueError(f"{str(path)!r} holds no `model.*` tensors: not a PolicyModule checkpoint")
+    lora = (ckpt.get("hyper_parameters") or {}).get("lora")
+    if lora is not None:  # a LoRA trainer's checkpoint holds its adapters only, under PEFT's live names
+        from astratk.models.lora import saved_adapter_names
+
+        lora, state = LoraSpec(**lora), saved_adapter_names(state)
     saved = ckpt.get("astratk") or {}
     if saved.get("policy_id", policy_id) != policy_id:
         raise ValueError(f"checkpoint {str(path)!r} is of policy {saved['policy_id']!r}, not {policy_id!r}; pass "
@@ -241,7 +265,7 @@ def _from_checkpoint(path: Path, policy_id: str, version: int | None, base: Path
                                     "base_model= (--base-model)")
     provenance = {"source": "checkpoint", "checkpoint": str(path), "version": saved.get("policy_version"),
                   "global_step": ckpt.get("global_step")}
-    return _Source(state, base, provenance, (path, base))
+    return _Source(state, base, provenance, (path, base), lora)
 
 
 # ---------------------------------------------------------------------------------------------------- writing
@@ -269,10 +293,33 @@ def _check_not_an_input(out: Path, src: _Source) -> None:
 
 
 def _write_model(src: _Source, out: Path, dtype: str | None) -> str:
-    """Load the base architecture, put the source weights in, `save_pretrained`; returns the dtype written."""
-    from transformers import AutoConfig
-
+    """Load the base architecture, put the source weights in (or merge the source adapters into it),
+    `save_pretrained`; returns the dtype written."""
     from astratk.models.loading import load_causal_lm
+
+    dtype = _base_dtype(src, dtype)
+    if src.lora is not None:
+        from astratk.models.lora import merged_model
+
+        try:
+            merged_model(str(src.base_model), src.lora, src.state, _DTYPES[dtype]).save_pretrained(str(out))
+        except ValueError as e:
+            raise ValueError(f"{_where(src)}: {e}") from e
+        return dtype
+    model = load_causal_lm(str(src.base_model), _DTYPES[dtype])
+    _check_tied(model, src)
+    try:
+        model.load_state_dict(src.state, strict=True)  # copy_ casts to the model's dtype
+    except RuntimeError as e:
+        raise ValueError(f"the weights of {_where(src)} do not fit the model in {str(src.base_model)!r} (is it "
+                         f"the directory this policy started from?): {e}") from e
+    model.save_pretrained(str(out))
+    return dtype
+
+
+def _base_dtype(src: _Source, dtype: str | None) -> str:
+    """`dtype`, else the base config's (float32 where it names none)."""
+    from transformers import AutoConfig
 
     if not (src.base_model / "config.json").is_file():
         raise FileNotFoundError(f"base model directory {str(src.base_model)!r} has no config.json")
@@ -282,14 +329,21 @@ def _write_model(src: _Source, out: Path, dtype: str | None) -> str:
         if dtype not in _DTYPES:
             raise ValueError(f"base model {str(src.base_model)!r} has dtype {dtype!r}; pass dtype= one of "
                              f"{sorted(_DTYPES)}")
-    model = load_causal_lm(str(src.base_model), _DTYPES[dtype])
-    _check_tied(model, src)
+    return dtype
+
+
+def _write_adapter(src: _Source, out: Path, dtype: str | None) -> str:
+    """The source adapters as a PEFT adapter directory for the base model; returns the dtype written. The adapters
+    must fit the base (checked by attaching them to it, as `PeftModel.from_pretrained` will)."""
+    from astratk.models.lora import check_adapter_fits, write_adapter_dir
+
+    dtype = _base_dtype(src, dtype)
     try:
-        model.load_state_dict(src.state, strict=True)  # copy_ casts to the model's dtype
-    except RuntimeError as e:
-        raise ValueError(f"the weights of {_where(src)} do not fit the model in {str(src.base_model)!r} (is it "
-                         f"the directory this policy started from?): {e}") from e
-    model.save_pretrained(str(out))
+        check_adapter_fits(str(src.base_model), src.lora, src.state)
+    except ValueError as e:
+        raise ValueError(f"{_where(src)}: {e}") from e
+    state = {k: v.to(_DTYPES[dtype]) for k, v in src.state.items()}
+    write_adapter_dir(out, src.lora, state, str(src.base_model))
     return dtype
 
 

@@ -121,6 +121,7 @@ def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
     """
     _require(env, "demonstration", "messages")
     stream = env.tasks("train")
+    device = next(model.parameters()).device  # batches go where the model is (a GPU warm start: bench/gpu_suite.py)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.warm_start_lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, spec.warm_start_steps))
     model.train()
@@ -132,7 +133,7 @@ def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
         while step < spec.warm_start_steps:
             step += 1
             batch = list(itertools.islice((ex for t in stream for ex in _examples(tok, env, t)), spec.warm_start_batch))
-            loss, hit = completion_loss(model, *_collate(batch, tok.pad_token_id))
+            loss, hit = completion_loss(model, *(t.to(device) for t in _collate(batch, tok.pad_token_id)))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -173,6 +174,7 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
         chunk = tasks[start:start + batch]
         enc = tok.pad({"input_ids": [encode_chat(tok, env.messages(t)) for t in chunk]},  # type: ignore[attr-defined]
                       padding=True, return_tensors="pt", padding_side="left")
+        enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
         out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=stops,
                              pad_token_id=tok.pad_token_id)
         for task, row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):

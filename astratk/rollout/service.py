@@ -6,6 +6,11 @@ published weights (pull-based, from the weight store); a joining worker therefor
 generation. It runs `group_size` episodes per task concurrently, so their generate calls share engine batches; each
 episode samples with its own seed (`episode_seed`: run seed, lease id, episode index), so rollouts are reproducible.
 
+Engines: one per (purpose, policy), except for policies trained with LoRA (`model.lora`): those that start from the
+same model directory share one engine in the process, for every purpose, which holds the base model once and one
+adapter per (purpose, policy) (`astratk.engines.adapters`). The adapter starts from the newest version in the store
+(adapter tensors are small) and moves like any engine.
+
 Extending: engines come from `astratk.registry` by `RolloutSpec.engine`; envs from the run's `env` spec.
 """
 
@@ -27,6 +32,7 @@ from astratk.contracts import Engine, Env, SamplingParams
 from astratk.engines import build_engine
 from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory
 from astratk.rollout.lockstep import Lockstep
+from astratk.spec import LoraSpec
 from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
 
@@ -69,7 +75,8 @@ class RolloutService:
         self.env: Env = self.spec.env
         self.store = WeightStore.from_spec(ctx.store_url, ctx.spec.weights)
         self.name = _service_name()
-        self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine
+        self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine, or adapter view
+        self._bases: dict[str, Engine] = {}  # model directory -> the engine its LoRA policies share
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
         self._engines_lock = threading.Lock()
 
@@ -79,6 +86,9 @@ class RolloutService:
         into the new one: anywhere else it is handed out as is, and its calls fail naming the cause."""
         with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
             key = (purpose, policy_id)
+            lora = self.spec.policy(policy_id).model.lora
+            if lora is not None:
+                return self._adapter_engine(policy_id, purpose, lora, rebuild_broken)
             broken = getattr(self._engines.get(key), "broken", None)
             if broken is not None and rebuild_broken:
                 warnings.warn(f"rebuilding the {purpose} engine of policy {policy_id!r}: {broken}", stacklevel=3)
@@ -89,6 +99,38 @@ class RolloutService:
                 self._engines[key] = build_engine(r.engine, self.ctx.model_paths[policy_id],
                                                   run_settings={"max_batch": r.max_batch}, **r.engine_args)
             return self._engines[key]
+
+    def _adapter_engine(self, policy_id: str, purpose: str, lora: LoraSpec, rebuild_broken: bool) -> Engine:
+        """Under `_engines_lock`: the view of the policy's adapter on the engine of its model directory (module
+        docstring), the engine built and the adapter attached on first use. A broken shared engine is rebuilt by
+        `sync` as a policy's own engine is, and every view on it goes with it."""
+        key, path = (purpose, policy_id), self.ctx.model_paths[policy_id]
+        base = self._bases.get(path)
+        broken = getattr(base, "broken", None)
+        if broken is not None and rebuild_broken:
+            warnings.warn(f"rebuilding the engine of {path!r} (LoRA policies' base): {broken}", stacklevel=4)
+            with contextlib.suppress(Exception):
+                self._bases.pop(path).close()
+            for k in [k for k, v in self._engines.items() if getattr(v, "engine", None) is base]:
+                del self._engines[k]
+            base = None
+        if key in self._engines:
+            return self._engines[key]
+        if base is None:
+            r = self.spec.rollout
+            ranks = [p.model.lora.r for p in self.spec.policies
+                     if p.model.lora is not None and self.ctx.model_paths[p.policy_id] == path]
+            base = self._bases[path] = build_engine(
+                r.engine, path, run_settings={"max_batch": r.max_batch, "max_lora_rank": max(ranks),
+                                              "max_loras": 2 * len(ranks)}, **r.engine_args)
+        try:
+            state, ref = self.store.pull(policy_id, None, None)  # the newest adapter, in full
+        except KeyError:
+            raise RuntimeError(f"policy {policy_id!r} trains LoRA adapters but has no published version in "
+                               f"{self.store.url}; publish version 0 first (astratk.runtime.deploy.publish_initial)"
+                               ) from None
+        view = self._engines[key] = base.add_adapter(f"{purpose}/{policy_id}", lora, state, ref.version)
+        return view
 
     def sync(self, policy_id: str, purpose: str = "rollout", version: int | None = None) -> int:
         """Move the engine to `version` (default: the newest published); returns the engine's version after.

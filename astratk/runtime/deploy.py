@@ -18,7 +18,7 @@ from astratk.records import RunContext
 from astratk.runtime import registry
 from astratk.runtime.acquisition import Acquisition
 from astratk.runtime.cluster import wait_for_workers
-from astratk.spec import SCORE_LABEL
+from astratk.spec import SCORE_LABEL, LoraSpec
 from astratk.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
@@ -111,9 +111,20 @@ def start_datalayer(client: Any, spec: Any, timeout_s: float, snapshot_url: str 
     return actor
 
 
-def publish_initial(store: WeightStore, policy_id: str, model_path: str) -> None:
-    """Version 0 = the model directory's weights, so services catch up from the store like any later version."""
+def publish_initial(store: WeightStore, policy_id: str, model_path: str, lora: LoraSpec | None = None,
+                    key: str = "model.lora") -> None:
+    """Version 0 = the model directory's weights, so services catch up from the store like any later version.
+    With `lora`, version 0 is the trainer's initial adapter (B = 0: the base's behaviour) and the store records the
+    adapter config; a target module the model lacks fails here, naming `key`, before anything is written."""
+    if lora is not None:
+        from astratk.models.lora import adapter_config, initial_adapter
+
+        state = initial_adapter(model_path, lora, key)
+        store.set_adapter_config(policy_id, adapter_config(lora, model_path))
+        store.publish(policy_id, 0, state)
+        return
     from astratk.models.loading import load_causal_lm
 
     model = load_causal_lm(model_path)
+    store.set_adapter_config(policy_id, None)  # full models from here on, whatever the store held before
     store.publish(policy_id, 0, {k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -5,6 +5,11 @@ A pool is a list of `WorkerClass`es (defined in `astratk.spec`, re-exported here
 `{class}-{i}`. Scaling touches one elastic class only, so neither `cluster.scale(n)` nor Dask's adaptive scaling can
 retire the control worker (adaptive scaling chooses which workers to retire).
 
+Several GPUs on one machine (`cluster.rollout_gpus: all` or `[1, 2, 3]`): one worker per GPU in the class "rollout",
+named `rollout-{i}`, each with CUDA_VISIBLE_DEVICES set by its nanny before the worker starts, as dask-cuda's
+`LocalCUDACluster` sets it (`astratk.gpu.cuda_visible_devices`: the list rotated so that the worker's GPU is its
+cuda:0, where the engines' `device: auto` puts them). The class has one worker per GPU, so it is not elastic.
+
 Heterogeneous hardware is *simulated* on one machine: a class's `slowdown` reaches its workers through the
 `SimulatedHardware` worker plugin, and the rollout service sleeps (slowdown - 1) x its generation time after
 generating (`astratk.rollout.service`). Workers started by hand name their class and slowdown in the environment:
@@ -51,8 +56,21 @@ def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
 
 
 def pool_classes(spec: RunSpec) -> list[WorkerClass]:
-    """The run's worker classes: `cluster.pools`, or one class "rollout" of `cluster.rollout_workers` workers."""
+    """The run's worker classes: `cluster.pools`, or one class "rollout" of `cluster.rollout_workers` workers (one
+    per GPU of `cluster.rollout_gpus` when it is set)."""
+    if spec.cluster.rollout_gpus is not None:
+        return [WorkerClass("rollout", len(worker_gpus(spec)))]
     return list(spec.cluster.pools) or [WorkerClass("rollout", spec.cluster.rollout_workers)]
+
+
+def worker_gpus(spec: RunSpec) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each rollout worker `rollout-{i}` under `cluster.rollout_gpus` ([] when unset)."""
+    from astratk.gpu import cuda_visible_devices, rollout_gpus
+
+    if spec.cluster.rollout_gpus is None:
+        return []
+    gpus = rollout_gpus(spec.cluster.rollout_gpus)
+    return [cuda_visible_devices(i, gpus) for i in range(len(gpus))]
 
 
 def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int) -> dict[str, Any]:
@@ -76,10 +94,13 @@ def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, A
     class of the run's pool."""
     labels = rollout_labels([p.policy_id for p in spec.policies])
     workers = {CONTROL: _control_spec(processes)}
+    gpus = worker_gpus(spec)
     for wc in pool_classes(spec):
         for i in range(wc.count):
-            workers[f"{wc.name}-{i}"] = _class_spec(wc, labels, processes=processes,
-                                                    nthreads=spec.cluster.threads_per_worker)
+            workers[f"{wc.name}-{i}"] = spec_i = _class_spec(wc, labels, processes=processes,
+                                                             nthreads=spec.cluster.threads_per_worker)
+            if gpus:  # the nanny sets it in the worker's process before torch can initialise CUDA
+                spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": gpus[i]}
     return workers
 
 

@@ -102,9 +102,11 @@ class Run:
 
     def _run(self, serve_as: str | None = None) -> RunResult:
         from astratk.runtime.session import Session
+        from astratk.validation import check_gpu_memory
 
         spec = self.spec
         models = self._resolve_models()  # before anything is written: a bad Hub id leaves nothing behind
+        check_gpu_memory(spec, trainers_here=serve_as is None)  # shares of a GPU that cannot fit, likewise
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"
         run_dir.mkdir(parents=True, exist_ok=True)

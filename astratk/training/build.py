@@ -47,7 +47,8 @@ def module_args(spec: RunSpec, policy_id: str) -> dict[str, Any]:
             "temperature": spec.rollout.temperature, "aggregation": ts.aggregation,
             "horizon": ts.horizon or spec.rollout.max_new_tokens, "corrections": p.corrections,
             "kl_coef": ts.kl_coef, "kl_estimator": ts.kl_estimator,
-            "entropy_coef": ts.entropy_coef, "micro_batch_tokens": ts.micro_batch_tokens}
+            "entropy_coef": ts.entropy_coef, "micro_batch_tokens": ts.micro_batch_tokens,
+            "lora": p.model.lora}
 
 
 def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, model_path: str, *,
@@ -143,8 +144,9 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     They publish the weights every `publish_every` steps (to `store`, telling the stream's data
     layer), record each step's metrics (plus what `extra()` returns), stop after the step in which
     `stop_file` appears and, when the spec asks for progress and `progress` is true, print a
-    progress line (plus what `status()` returns). The publisher comes before the recorder, so a
-    step's row holds its publication's metrics."""
+    progress line (plus what `status()` returns), and cap the process's share of its GPU at
+    `trainer.gpu_memory_fraction` when set. The publisher comes before the recorder, so a step's
+    row holds its publication's metrics."""
     from astratk.training.publish import WeightPublisher
     from astratk.training.recorder import ProgressPrinter, StopFile
 
@@ -154,6 +156,10 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
                               StopFile(stop_file)]
     if spec.progress and progress:
         out.append(ProgressPrinter(recorder, status, printer=printer))
+    if (fraction := spec.policy(policy_id).trainer.gpu_memory_fraction) is not None:
+        from astratk.training.memory import GpuMemoryShare
+
+        out.append(GpuMemoryShare(fraction))  # on a GPU: this process's share (trainer.gpu_memory_fraction)
     return out, recorder
 
 

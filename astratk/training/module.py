@@ -14,6 +14,10 @@ Optional, all off by default (then the step is exactly the one above):
 - **KL to a frozen reference** (`kl_coef` > 0; the reference is `reference_path`, default the starting model, loaded
   only then) and an **entropy bonus** (`entropy_coef` > 0): added to the per-token losses under the loss's mask
   before aggregation; reported as `kl_ref_mean`, `entropy_mean`.
+- **LoRA** (`lora`, a `LoraSpec`): PEFT adapters on the frozen model (`astratk.models.lora.add_lora`); the optimiser
+  sees the adapters only, `weights()` and the publisher hand out the adapter tensors only, checkpoints hold the
+  adapters (not the frozen base), and the KL reference is the same model with its adapters switched off (PEFT's
+  `disable_adapter()`: no second copy).
 - **Batch statistics under DDP**: a loss with `batch_statistics` gets `reduce` = sum over ranks.
 - **Micro-batches** (`micro_batch_tokens`): one optimiser step's batch is cut into micro-batches of at most that many
   padded tokens (rows x longest row; `astratk.training.collate.micro_batches`) and their gradients accumulate inside
@@ -42,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -50,12 +55,20 @@ import torch
 from astratk.contracts import LossInputs, PolicyLoss, TokenCorrection
 from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
-from astratk.spec import TrainerSpec
+from astratk.spec import LoraSpec, TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.aggregation import aggregate
 from astratk.training.collate import micro_batches, place_rows, select_rows
 from astratk.training.logprobs import PolicyForward, policy_forward, token_logprobs
 from astratk.training.regularizers import check_kl_estimator
+from astratk.training.sharding import (
+    clip_gradients,
+    decoder_layer_classes,
+    even_micro_batches,
+    full_state_dict,
+    is_sharded,
+    max_over_ranks,
+)
 from astratk.training.step_inputs import (
     add_regularizers,
     apply_corrections,
@@ -76,9 +89,15 @@ class PolicyModule(pl.LightningModule):
                  horizon: int | None = None, corrections: list[TokenCorrection] | None = None,
                  kl_coef: float = _TRAINER.kl_coef, kl_estimator: str = _TRAINER.kl_estimator,
                  reference_path: str | None = None, entropy_coef: float = _TRAINER.entropy_coef,
-                 micro_batch_tokens: int | None = _TRAINER.micro_batch_tokens) -> None:
+                 micro_batch_tokens: int | None = _TRAINER.micro_batch_tokens,
+                 lora: LoraSpec | dict[str, Any] | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["loss", "corrections"])
+        self.save_hyperparameters(ignore=["loss", "corrections", "lora"])
+        self.lora = LoraSpec(**lora) if isinstance(lora, dict) else lora
+        if self.lora is not None:
+            self.lora.validate("lora")
+        self.hparams["lora"] = None if self.lora is None else dataclasses.asdict(self.lora)  # plain values: a
+        #   checkpoint's hyper-parameters load with torch.load(weights_only=True) (the export reads them)
         if not (kl_coef >= 0 and entropy_coef >= 0):
             raise ValueError(f"kl_coef and entropy_coef must be >= 0 (0 turns the term off); got kl_coef={kl_coef}, "
                              f"entropy_coef={entropy_coef}")
@@ -89,11 +108,17 @@ class PolicyModule(pl.LightningModule):
         self.corrections, self.correction_names = check_corrections(corrections)
         self.kl_coef, self.kl_estimator = float(kl_coef), check_kl_estimator(kl_estimator)
         self.entropy_coef = float(entropy_coef)
-        self.model = load_causal_lm(model_path, torch.float32)
+        model = load_causal_lm(model_path, torch.float32)
+        _disable_dropout(model)  # before the adapters: their dropout is the one `lora` configures
+        if self.lora is not None:
+            from astratk.models.lora import add_lora
+
+            model = add_lora(model, self.lora, "lora")
+            self.strict_loading = False  # checkpoints hold the adapters only (on_save_checkpoint)
+        self.model = model
         self.model.train()  # from_pretrained returns eval mode; Lightning warns about eval-mode modules in fit
-        _disable_dropout(self.model)
         reference = None
-        if self.kl_coef > 0:
+        if self.kl_coef > 0 and (self.lora is None or reference_path is not None):
             reference = load_causal_lm(reference_path or model_path, torch.float32).eval().requires_grad_(False)
         # Why not a submodule: it would be switched to train mode by fit, counted by Lightning's eval-mode warning,
         # saved in checkpoints and broadcast by DDP; it is frozen and loaded the same on every rank, so it is kept
@@ -110,19 +135,71 @@ class PolicyModule(pl.LightningModule):
         self.step_metrics: dict[str, float] = {}  # last step's metrics, read by callbacks (progress, recorder)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The HF model's state (keys as in the saved model directory), detached copies for publication."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """The HF model's state (keys as in the saved model directory), detached copies for publication; with LoRA,
+        the adapter tensors alone (keys as in a saved PEFT adapter)."""
+        root = self._sharded_root()
+        state = None
+        if root is not None:  # FSDP: every rank joins the gather; rank 0 receives the whole state, the others {}
+            state = full_state_dict(root, prefix="model.")
+            if not state:
+                return {}
+        if self.lora is not None:
+            from astratk.models.lora import adapter_state
+
+            return adapter_state(self.model, state)
+        return state if state is not None else {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _sharded_root(self) -> torch.nn.Module | None:
+        """The strategy's wrapped model when the trainer shards it (FSDP), else None."""
+        if self._trainer is None:
+            return None
+        root = self.trainer.strategy.model
+        return root if root is not None and is_sharded(root) else None
+
+    def setup(self, stage: str) -> None:
+        """Under Lightning's `FSDPStrategy` given by name (`trainer.strategy: fsdp`), wrap each decoder layer as one
+        FSDP unit (the model's `_no_split_modules`, e.g. `Qwen2DecoderLayer`) and keep the original parameters (LoRA
+        freezes some of them, and FSDP1 flattens only uniformly frozen ones otherwise); a strategy object the user
+        configured keeps its own choices."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if not isinstance(strategy, FSDPStrategy):
+            return
+        layers = decoder_layer_classes(self.model)
+        if layers and strategy.kwargs.get("auto_wrap_policy") is None:
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(layers)
+        strategy.kwargs.setdefault("use_orig_params", True)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Norm clipping over every shard under FSDP (Lightning's FSDP precision plugin refuses it), Lightning's own
+        clipping otherwise. The norm before clipping is reported as `train/<policy>/grad_norm` under FSDP."""
+        root = self._sharded_root()
+        if root is None or not gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                                gradient_clip_algorithm=gradient_clip_algorithm)
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"gradient_clip_algorithm {gradient_clip_algorithm!r} under FSDP: only norm clipping "
+                             "is supported (trainer.grad_clip)")
+        self.step_metrics[f"train/{self.policy_id}/grad_norm"] = float(clip_gradients(root, float(gradient_clip_val)))
 
     def training_step(self, batch: TrainBatch, batch_idx: int) -> torch.Tensor:
         if self._trainer is not None:  # see optimizer_zero_grad
             self.zero_grad(set_to_none=True)
         chunks = micro_batches(batch, self.micro_batch_tokens)
+        dummy = [False] * len(chunks)
+        if self._sharded_root() is not None:  # FSDP: every rank runs the same number of forwards and backwards
+            chunks, dummy = even_micro_batches(chunks, max_over_ranks(len(chunks), self.trainer.strategy))
         if len(chunks) == 1:
             loss, metrics = self._whole_step(batch)
         elif self.loss.batch_statistics:
-            loss, metrics = self._two_pass_step(batch, chunks)
+            loss, metrics = self._two_pass_step(batch, chunks, dummy)
         else:
-            loss, metrics = self._accumulated_step(batch, chunks)
+            loss, metrics = self._accumulated_step(batch, chunks, dummy)
         metrics["micro_batches"] = float(len(chunks))
         self._record(batch, self._loss_value(loss), metrics)
         return loss
@@ -148,7 +225,8 @@ class PolicyModule(pl.LightningModule):
         token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, self._reference_logprobs(batch))
         return self._aggregate(token_losses, mask), metrics
 
-    def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None
+                          ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Gradient accumulation for losses without batch statistics.
 
         A token's loss depends on its own sequence only (a loss that couples sequences declares `batch_statistics`),
@@ -159,19 +237,22 @@ class PolicyModule(pl.LightningModule):
         count, and after the last micro-batch the accumulated gradient and the last share are scaled by (loss-mask
         tokens / effective tokens), 1 unless a token left the denominator. The step's loss value and metrics come from
         one no-grad pass of the corrections, the loss and the regularisers over the whole batch's (detached) forward
-        outputs, so they are the unsplit step's.
+        outputs, so they are the unsplit step's. A `dummy` micro-batch (FSDP: `even_micro_batches`) runs the same
+        forwards and contributes zero.
         """
         counts = self._counts(batch.loss_mask)  # (tokens, sequences), over all ranks under DDP
         saved: list[tuple[torch.Tensor, PolicyForward, torch.Tensor | None, torch.Tensor | None]] = []
 
-        def share(rows: torch.Tensor, part: TrainBatch) -> torch.Tensor:
+        def share(rows: torch.Tensor, part: TrainBatch, dummy: bool) -> torch.Tensor:
             proximal = self._no_grad_logprobs(self.model, part) if self.needs_proximal else None  # [b, t]
             fwd, ref = self._policy_forward(part), self._reference_logprobs(part)
             token_losses, mask, _ = self._loss_terms(part, fwd, proximal, ref)
+            if dummy:
+                return self._aggregate(token_losses, mask, counts) * 0.0
             saved.append((rows, _detached(fwd), ref, proximal))
             return self._aggregate(token_losses, mask, counts)
 
-        last = self._run_micro_batches(batch, chunks, share)
+        last = self._run_micro_batches(batch, chunks, share, dummy)
         with torch.no_grad():  # the whole batch's loss and metrics, from the outputs the micro-batches computed
             fwd, ref, proximal = self._assemble(batch, saved)
             token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, ref)
@@ -186,7 +267,8 @@ class PolicyModule(pl.LightningModule):
             last = last * ratio
         return last + (loss - last.detach()), metrics  # the last share's gradient, the step's loss value
 
-    def _two_pass_step(self, batch: TrainBatch, chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _two_pass_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None
+                       ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batches for a loss with batch statistics (M2PO's second-moment cut): those need every token of the
         step in one loss call, so a micro-batch cannot compute its own share.
 
@@ -200,10 +282,13 @@ class PolicyModule(pl.LightningModule):
         step's weights), so a loss that needs π_old pays nothing extra.
         """
         saved = []
+        dummy = dummy or [False] * len(chunks)
         with torch.no_grad():
-            for rows in chunks:
+            for rows, fake in zip(chunks, dummy):
                 part = select_rows(batch, rows)
-                saved.append((rows, self._policy_forward(part), self._reference_logprobs(part), None))
+                outputs = (rows, self._policy_forward(part), self._reference_logprobs(part), None)
+                if not fake:  # a dummy runs the forwards (FSDP's collectives) and is not kept
+                    saved.append(outputs)
         fwd, ref, _ = self._assemble(batch, saved)
         proximal = fwd.logprobs.clone() if self.needs_proximal else None  # [B, T] no-grad π at the step's weights
         leaves = [t.requires_grad_() for t in _outputs(fwd)]
@@ -212,20 +297,24 @@ class PolicyModule(pl.LightningModule):
         grads = [torch.zeros_like(t) if g is None else g  # [B, T] or [B, T, K] each
                  for t, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True))]
 
-        def surrogate(rows: torch.Tensor, part: TrainBatch) -> torch.Tensor:
+        def surrogate(rows: torch.Tensor, part: TrainBatch, dummy: bool) -> torch.Tensor:
             outputs = _outputs(self._policy_forward(part))
-            return sum((out * g[rows, : out.shape[1]]).sum() for out, g in zip(outputs, grads))
+            total = sum((out * g[rows, : out.shape[1]]).sum() for out, g in zip(outputs, grads))
+            return total * 0.0 if dummy else total
 
-        last = self._run_micro_batches(batch, chunks, surrogate)
+        last = self._run_micro_batches(batch, chunks, surrogate, dummy)
         return last + (loss.detach() - last.detach()), metrics
 
     def _run_micro_batches(self, batch: TrainBatch, chunks: list[torch.Tensor],
-                           contribution: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
+                           contribution: Callable[[torch.Tensor, TrainBatch, bool], torch.Tensor],
+                           dummy: list[bool] | None = None) -> torch.Tensor:
         """Back-propagate each micro-batch's contribution to the step's loss in turn, except the last one, which is
-        returned for Lightning to back-propagate (with clipping and the optimiser step after it, as for any loss)."""
-        for rows in chunks[:-1]:
-            self._backward(contribution(rows, select_rows(batch, rows)))
-        return contribution(chunks[-1], select_rows(batch, chunks[-1]))
+        returned for Lightning to back-propagate (with clipping and the optimiser step after it, as for any loss).
+        `dummy[i]`: micro-batch i only keeps the ranks' collectives in step (FSDP) and contributes zero."""
+        dummy = dummy or [False] * len(chunks)
+        for rows, fake in zip(chunks[:-1], dummy[:-1]):
+            self._backward(contribution(rows, select_rows(batch, rows), fake))
+        return contribution(chunks[-1], select_rows(batch, chunks[-1]), dummy[-1])
 
     def _backward(self, loss: torch.Tensor) -> None:
         """One micro-batch's backward inside `training_step`, through the strategy as `manual_backward` does, so a
@@ -310,7 +399,11 @@ class PolicyModule(pl.LightningModule):
             return token_logprobs(model, batch.input_ids, batch.attention_mask, self.temperature)  # [B, T]
 
     def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
-        """log π_ref [B, T] (no grad) when the KL term is on, else None."""
+        """log π_ref [B, T] (no grad) when the KL term is on, else None. With LoRA and no `reference_path`, the
+        reference is the base model: this model with its adapters switched off."""
+        if self.reference is None and self.kl_coef > 0 and self.lora is not None:
+            with self.model.disable_adapter():
+                return self._no_grad_logprobs(self.model, batch)
         if self.reference is None:
             return None
         return self._no_grad_logprobs(self._reference_on(batch.input_ids.device), batch)
@@ -359,16 +452,26 @@ class PolicyModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["astratk"] = {"policy_id": self.policy_id, "policy_version": self.policy_version}
+        if self.lora is not None:  # the frozen base is the model directory's: keep the adapters only
+            trained = self._trained_keys()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("astratk", {})
         if saved.get("policy_id", self.policy_id) != self.policy_id:
             raise ValueError(f"checkpoint is of policy {saved['policy_id']!r}, not {self.policy_id!r}")
+        if self.lora is not None and (missing := sorted(self._trained_keys() - set(checkpoint["state_dict"]))):
+            raise ValueError(f"the checkpoint lacks {len(missing)} adapter tensors of this LoRA trainer, e.g. "
+                             f"{missing[:2]}: it was written without LoRA or with other model.lora settings")
         self.policy_version = int(saved.get("policy_version", checkpoint.get("global_step", 0)))
 
+    def _trained_keys(self) -> set[str]:
+        return {f"model.{name}" for name, p in self.model.named_parameters() if p.requires_grad}
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
-                                 betas=(0.9, 0.99))
+        # with LoRA only the adapters require grad; otherwise every parameter does (the same list as before)
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr,
+                                 weight_decay=self.weight_decay, betas=(0.9, 0.99))
 
 
 def _detached(fwd: PolicyForward) -> PolicyForward:

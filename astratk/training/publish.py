@@ -1,6 +1,7 @@
 """`WeightPublisher`: every k optimiser steps, publish the policy's weights and tell the data layer.
 
 Under data parallelism only global rank 0 writes and tells the data layer; every rank moves its `policy_version`.
+Under FSDP every rank joins the gather of the full state (`PolicyModule.weights`), which only rank 0 receives.
 The trainer blocks only while it copies the weights out and writes them to the store (a full snapshot, or a sparse
 delta against the previous publication: `astratk.weights.store`); rollout services pull them at their next safe point
 (data path step 6). On a publishing step the step's metrics gain `weights/<policy>/publish_s` (seconds the trainer
@@ -33,8 +34,12 @@ class WeightPublisher(pl.Callback):
             return
         if trainer.is_global_zero:
             self.publish(pl_module)
-        else:  # data-parallel ranks hold the same weights: one writer; the others only move their version
-            pl_module.policy_version += 1
+            return
+        # Data-parallel ranks hold the same weights: one writer; the others only move their version. Under FSDP
+        # each rank holds a shard, and the gather that gives rank 0 the whole state is a collective they join.
+        if pl_module._sharded_root() is not None:
+            pl_module.weights()
+        pl_module.policy_version += 1
 
     def publish(self, pl_module: pl.LightningModule) -> WeightRef:
         version = pl_module.policy_version + 1

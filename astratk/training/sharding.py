@@ -43,15 +43,28 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's whole state with its own parameter names, as detached CPU-or-device copies: gathered from every
-    rank when sharded (a collective: call it on every rank; ranks other than 0 get {}), else `state_dict()` copied."""
+def full_state_dict(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's whole state with its own parameter names, as detached copies: gathered from every rank onto rank
+    0's CPU when sharded (a collective: call it on every rank; ranks other than 0 get {}), else `state_dict()`
+    copied. With `prefix` (e.g. "model." for the HF model inside a LightningModule), only the keys under it, with the
+    prefix removed."""
     if not is_sharded(model):
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {_hf_name(k): v.detach() for k, v in state.items()}
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {_hf_name(k): v.detach() for k, v in state.items()}
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
+    """The classes of `model`'s repeated blocks, the natural FSDP units: transformers names them in
+    `_no_split_modules` (e.g. `Qwen2DecoderLayer`); a PEFT model is looked through."""
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
 def _hf_name(key: str) -> str:

@@ -6,7 +6,10 @@ Layout of `<url>/<policy>/`:
   previous published version (`astratk.weights.delta` wire format: gap-coded zlib indices + raw new values);
 - `v00000011.json`: the version's ref (`WeightRef`: kind, base_version, nbytes, sha256 checksum), the full snapshot's
   where the version has one; `latest.json`: the newest version's ref;
-- `index.json`: the refs of every retained version, full and delta, so a pull plans from one read.
+- `index.json`: the refs of every retained version, full and delta, so a pull plans from one read;
+- `adapter_config.json`, for a policy trained with LoRA: its versions hold adapter tensors only (PEFT's names), and
+  this file (PEFT's adapter config: r, lora_alpha, target_modules) says how to apply them to the base model
+  (`set_adapter_config`; `astratk.models.lora`). Versions, deltas and pulls do not differ.
 
 Publishing (`full_every` = N > 1). Version 0, and every version N or more after the last full snapshot, is a full
 snapshot; every other version is a delta against the previous published version, computed from a copy of that
@@ -64,7 +67,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
@@ -245,6 +248,28 @@ class WeightStore:
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, path)
+
+    # ------------------------------------------------------------------------------------------------ adapters
+    def set_adapter_config(self, policy_id: str, config: Mapping[str, Any] | None) -> None:
+        """Record that `policy_id`'s versions are LoRA adapters, and how to apply them (module docstring); None:
+        they are full models (a record left by an earlier LoRA history is removed)."""
+        path = self._path(policy_id, "adapter_config.json")
+        if config is None:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
+            return
+        self.fs.makedirs(self._path(policy_id), exist_ok=True)
+        self._atomic_write(path, json.dumps(dict(config), indent=2).encode())
+
+    def adapter_config(self, policy_id: str) -> dict[str, Any] | None:
+        """The adapter config `set_adapter_config` recorded for `policy_id`, or None: its versions are full
+        models."""
+        try:
+            return json.loads(self.fs.cat_file(self._path(policy_id, "adapter_config.json")))
+        except FileNotFoundError:
+            return None
 
     # ------------------------------------------------------------------------------------------------ refs
     def latest(self, policy_id: str) -> WeightRef | None:

@@ -44,7 +44,7 @@ def test_module_args_follow_the_policy_spec():
     args = build.module_args(spec, "solver")
     assert args == {"loss": loss, "policy_id": "solver", "lr": 3e-4, "weight_decay": 0.01, "temperature": 0.7,
                     "aggregation": "token-mean", "horizon": 12, "corrections": [], "kl_coef": 0.1,
-                    "kl_estimator": "k1", "entropy_coef": 0.02, "micro_batch_tokens": 512}
+                    "kl_estimator": "k1", "entropy_coef": 0.02, "micro_batch_tokens": 512, "lora": None}
     spec.policies[0].trainer = dataclasses.replace(trainer, horizon=5)
     assert build.module_args(spec, "solver")["horizon"] == 5  # trainer.horizon wins over rollout.max_new_tokens
     with pytest.raises(KeyError):
