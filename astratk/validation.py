@@ -193,7 +193,12 @@ def check_engine_placement(spec: RunSpec, key: str = "rollout.engine_args") -> s
         gpu.rollout_gpus(spec.cluster.rollout_gpus)  # they exist here
     gpu.check_fraction(args.get("gpu_memory_utilization"), f"{key}.gpu_memory_utilization")
     if resolve_path("engine", spec.rollout.engine) != REGISTRY["engine"]["torch"]:
-        return args.get("dtype", "float32")  # other engines' own default (vLLM's wrapper: float32)
+        dtype = args.get("dtype", "float32")  # other engines' own default (vLLM's wrapper: float32)
+        if dtype != "auto":
+            return dtype
+        import torch  # vLLM's auto: the GPU's native bf16 when it has one, as TorchEngine decides
+
+        return gpu.resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") if _local(spec) else None
     device, dtype = args.get("device", "auto"), args.get("dtype", "auto")
     if _local(spec):
         if spec.cluster.rollout_gpus is not None and device == "auto":

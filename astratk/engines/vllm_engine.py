@@ -122,8 +122,12 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, keep_host_weights: bool = True,
                  start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, max_lora_rank: int | None = None,
                  max_loras: int = 2, **engine_args: Any) -> None:
+        if dtype == "auto":  # as TorchEngine: bf16 on a GPU that computes it natively, else fp32
+            from astratk.gpu import resolve_dtype
+
+            dtype = resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
         if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES) + ['auto']}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         path = os.fspath(model_path)

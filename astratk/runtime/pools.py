@@ -29,6 +29,7 @@ Extending: another hardware class is another `WorkerClass`; nothing branches on 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,8 +126,9 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
                  for wc in classes}
     pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
     pre_spawn.update({k: str(spec.cluster.torch_threads) for k in THREAD_ENV})
+    gpus = worker_gpus(spec)
     return PoolCluster(worker_specs(spec, processes), templates, elastic, dashboard=spec.cluster.dashboard,
-                       pre_spawn_environ=pre_spawn)
+                       pre_spawn_environ=pre_spawn, gpus={"rollout": gpus} if gpus else None)
 
 
 class PoolCluster(SpecCluster):
@@ -135,7 +137,8 @@ class PoolCluster(SpecCluster):
     other classes are never retired by scaling (a crash is another matter: the nanny restarts a killed worker)."""
 
     def __init__(self, workers: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]], elastic: str, *,
-                 dashboard: bool = False, pre_spawn_environ: dict[str, str] | None = None) -> None:
+                 dashboard: bool = False, pre_spawn_environ: dict[str, str] | None = None,
+                 gpus: dict[str, list[str]] | None = None) -> None:
         if elastic not in templates:
             raise ValueError(f"elastic pool {elastic!r} is not a worker class; classes are {sorted(templates)}")
         self.templates = templates
@@ -143,6 +146,8 @@ class PoolCluster(SpecCluster):
         self.worker_class = {name: CONTROL if name == CONTROL else name.rsplit("-", 1)[0] for name in workers}
         self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
         self._pre_spawn = pre_spawn_environ
+        # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
+        self.gpus = gpus or {}
         # dashboard off means off: dashboard_address=None alone still tries port 8787 (and warns when it is taken)
         scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
                                                    "dashboard_address": "127.0.0.1:0" if dashboard else None}}
@@ -190,10 +195,19 @@ class PoolCluster(SpecCluster):
             order = [m for m in newest_first if m not in started] + [m for m in newest_first if m in started]
             for name in order[:len(members) - n]:
                 del self.worker_spec[name]
+        if c in self.gpus and n > len(self.gpus[c]):
+            raise ValueError(f"worker class {c!r} runs one worker per GPU of cluster.rollout_gpus "
+                             f"({len(self.gpus[c])}); it cannot have {n}")
         while len(self.pool(c)) < n and self.status not in (Status.closing, Status.closed):
             name = f"{c}-{self._next_index[c]}"
             self._next_index[c] += 1
             self.worker_spec[name] = self.templates[c]
+            if c in self.gpus:  # a GPU no member holds, set by the nanny before the worker starts
+                used = {self.worker_spec[m]["options"].get("env", {}).get("CUDA_VISIBLE_DEVICES")
+                        for m in self.pool(c) if m != name}
+                free = next(g for g in self.gpus[c] if g not in used)
+                self.worker_spec[name] = spec_i = copy.deepcopy(self.templates[c])
+                spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": free}
             self.worker_class[name] = c
         self.loop.add_callback(self._correct_state)
         return NoOpAwaitable() if self.asynchronous else None

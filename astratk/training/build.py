@@ -85,6 +85,8 @@ def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
     """
     import torch
 
+    from astratk.gpu import bf16_native
+
     cuda = torch.cuda.is_available()
     if ts.accelerator in ("gpu", "cuda") and not cuda:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -92,7 +94,9 @@ def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
                          f"({build}) sees no CUDA device; set {key}.accelerator: auto or cpu, or "
                          "install a CUDA build of torch")
     on_gpu = ts.accelerator in ("gpu", "cuda") or (ts.accelerator == "auto" and cuda)
-    bf16 = on_gpu and torch.cuda.is_bf16_supported()
+    # native bf16 (compute capability >= 8.0), as the engines decide: torch's is_bf16_supported() also counts
+    # emulated bf16 (a T4 says yes), which would be slower than fp32 there
+    bf16 = on_gpu and bf16_native("cuda")
     precision = ts.precision
     if precision == "auto":
         precision = "bf16-mixed" if bf16 else "32-true"

@@ -8,6 +8,8 @@ on a machine with two GPUs or more that each worker's cuda:0 is another GPU.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -34,8 +36,23 @@ def test_each_rollout_worker_process_starts_with_its_own_gpu_first(monkeypatch):
 
             return os.environ.get("CUDA_VISIBLE_DEVICES")
 
-        seen = client.run(visible)
-        names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
-    by_name = {names[a]: v for a, v in seen.items()}
-    assert by_name["rollout-0"] == "5,7" and by_name["rollout-1"] == "7,5"
-    assert by_name["control"] == "5,6,7"  # the control worker keeps the driver's
+        def by_name():
+            seen = client.run(visible)
+            names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+            return {names[a]: v for a, v in seen.items()}
+
+        first = by_name()
+        assert first["rollout-0"] == "5,7" and first["rollout-1"] == "7,5"
+        assert first["control"] == "5,6,7"  # the control worker keeps the driver's
+        # resized (a user's scale_pool, or a replacement): a new worker takes the GPU no member holds
+        cluster.scale_pool(1)
+        client.wait_for_workers(2, timeout=60)
+        deadline = time.monotonic() + 60
+        while len(client.scheduler_info(n_workers=-1)["workers"]) > 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.scale_pool(2)
+        client.wait_for_workers(3, timeout=120)
+        after = by_name()
+        assert after["rollout-0"] == "5,7" and after["rollout-2"] == "7,5"
+        with pytest.raises(ValueError, match=r"one worker per GPU of cluster.rollout_gpus \(2\)"):
+            cluster.scale_pool(3)

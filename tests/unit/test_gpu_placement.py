@@ -352,3 +352,16 @@ def test_the_batcher_keeps_batches_within_the_budget():
     finally:
         free.close()
         capped.close()
+
+
+def test_vllm_dtype_auto_resolves_as_the_torch_engine_does(monkeypatch):
+    bf16_deltas = WeightsSpec(publish_dtype="bfloat16", full_every=10)
+    vllm_auto = RolloutSpec(engine="vllm", engine_args={"dtype": "auto"})
+    if not torch.cuda.is_available():  # auto on the CPU: fp32, so bf16 deltas are refused before the run starts
+        with pytest.raises(ValueError, match=r"publish_dtype is 'bfloat16' but the engines run 'float32'"):
+            RunSpec(weights=bf16_deltas, rollout=vllm_auto).validate()
+    fake_cuda(monkeypatch)
+    RunSpec(weights=bf16_deltas, rollout=vllm_auto).validate()  # a bf16 GPU: bf16 engines
+    fake_cuda(monkeypatch, capability=(7, 5), name="Tesla T4")
+    with pytest.raises(ValueError, match=r"publish_dtype is 'bfloat16' but the engines run 'float32'"):
+        RunSpec(weights=bf16_deltas, rollout=vllm_auto).validate()

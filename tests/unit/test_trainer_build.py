@@ -126,7 +126,7 @@ def test_placement_on_a_gpu_is_bf16_mixed_by_default(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # an H100/H200
     flags = build.placement(TrainerSpec())
     assert (flags["accelerator"], flags["precision"]) == ("gpu", "bf16-mixed")
     assert build.placement(TrainerSpec(accelerator="cpu"))["precision"] == "32-true"  # the CPU asked for
@@ -139,7 +139,10 @@ def test_a_gpu_asked_for_and_absent_or_bf16_without_it_fails_naming_the_key(monk
     with pytest.raises(ValueError, match=r"policies\[1\]\.trainer\.accelerator is 'gpu' but torch .* no CUDA"):
         build.placement(TrainerSpec(accelerator="gpu"), "policies[1].trainer")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # a T4 (compute capability 7.5): torch's is_bf16_supported() says yes (emulated); the engines and the trainer
+    # both say no, so they agree on fp32 and bf16 asked for is refused
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     with pytest.raises(ValueError, match=r"trainer\.precision is 'bf16-true' but this GPU \(Tesla T4\) has no bf16"):
         build.placement(TrainerSpec(precision="bf16-true"))
