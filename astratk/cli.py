@@ -85,13 +85,36 @@ def _train(argv: list[str]) -> int:
         print("usage: astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR "
               "[--trainer.* ...] (`astratk train fit --help` lists everything)")
         return 0
-    from astratk.runtime.trainer_job import train_cli
+    import warnings
+
+    from astratk.runtime.trainer_job import check_job, job_summary, train_cli
+    from astratk.spec import StartError
 
     try:
-        train_cli(argv)
+        if argv[0] == "fit" and not {"-h", "--help", "--print_config"} & set(argv):
+            check_job(_flags(argv[1:], ("--run_config", "--policy_id", "--scheduler")))
+        with warnings.catch_warnings():  # LightningCLI warns when given args while sys.argv holds the same ones
+            warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter")
+            cli = train_cli(argv)
     except SystemExit as e:  # argparse (--help, --print_config, usage errors) exits; main returns its code
         return int(e.code or 0)
-    return 0
+    except StartError as e:  # a bad run config, policy, scheduler or deployment, found before training: one line
+        print(f"astratk train: {e}", file=sys.stderr)
+        return 2
+    return _stopped_early("train", job_summary(cli))
+
+
+def _flags(argv: list[str], names: tuple[str, ...]) -> dict[str, str]:
+    """The values of `names` given on the command line as `--flag VALUE` or `--flag=VALUE` (the last one wins)."""
+    out: dict[str, str] = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if flag in names:
+            if eq:
+                out[flag] = value
+            elif i + 1 < len(argv):
+                out[flag] = argv[i + 1]
+    return out
 
 
 def _status(argv: list[str]) -> int:
@@ -147,11 +170,20 @@ def _run(argv: list[str]) -> int:
     from astratk.spec import StartError
 
     try:
-        Run(spec).start()
+        result = Run(spec).start()
     except StartError as e:  # bad input found at start, before anything was written: one line
         print(f"astratk run: {e}", file=sys.stderr)
         return 2
-    return 0
+    return _stopped_early("run", result.summary)
+
+
+def _stopped_early(command: str, summary: dict[str, Any]) -> int:
+    """1 after printing why, in one line, when training ended early (a starved trainer, a diverged
+    policy: what the run gathered is written already); else 0."""
+    if not summary.get("stopped_early"):
+        return 0
+    print(f"astratk {command}: stopped early: {summary['stop_reason']}", file=sys.stderr)
+    return 1
 
 
 def _export(argv: list[str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,82 @@ def expand_short_names(node: Any) -> Any:
     return out
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data, or a ValueError of one line that names the file and the line: text that is not UTF-8,
+    a syntax error, or a key given twice in one mapping (plain YAML keeps the last one silently, so a setting
+    written twice would be lost without a word). Every run config goes through here: `astratk run`, `deploy`,
+    `status --config`, `train fit --run_config`, and a `resume_from` run's config.yaml."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+        what = "is a directory, not a YAML file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {str(path)!r} {what}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}, line {line}, column {column}: not UTF-8 text (byte 0x{raw[e.start]:02x}); "
+                         "save the file as UTF-8") from None
+    try:
+        loader = yaml.SafeLoader(text)  # checks every character first (ReaderError)
+        try:
+            node = loader.get_single_node()
+            if node is None:  # an empty file
+                return None
+            _refuse_duplicate_keys(node, path, "", set())
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}, {_yaml_error(e, text)}") from None
+
+
+def _refuse_duplicate_keys(node: Any, path: Path, where: str, visited: set[int]) -> None:
+    """Raise naming the dotted key and both lines when a mapping anywhere in the document gives a key twice, the
+    first such key in reading order (a merge key `<<` may override, as YAML intends)."""
+    if id(node) in visited:  # an alias shares its anchor's node (and may contain itself)
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{where}[{i}]", visited)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            dotted = where
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                dotted = f"{where}.{key.value}" if where else str(key.value)
+                line = key.start_mark.line + 1
+                if key.value in first:
+                    raise ValueError(f"{path}, line {line}: duplicate key {dotted!r} (first given at line "
+                                     f"{first[key.value]}); YAML would keep the last one silently: remove one")
+                first[key.value] = line
+            _refuse_duplicate_keys(value, path, dotted, visited)
+
+
+def _yaml_error(e: yaml.YAMLError, text: str) -> str:
+    """A PyYAML error as one line: where, what, and where the construct it was reading began."""
+    if isinstance(e, yaml.reader.ReaderError):
+        line = text.count("\n", 0, e.position) + 1
+        return f"line {line}: character #x{e.character:04x} is not allowed in YAML ({e.reason})"
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+        what = e.problem or e.context or "syntax error"
+        if e.context and e.problem:
+            cm = e.context_mark
+            what += f" ({e.context}" + (f" at line {cm.line + 1}, column {cm.column + 1})" if cm is not None else ")")
+        return f"{where}: YAML syntax error: {what}"
+    return f"YAML error: {' '.join(str(e).split())}"
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
             f"{path}: a config must be a mapping of RunSpec fields, got {type(data).__name__}")
@@ -65,12 +137,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 def parse(argv: list[str]) -> RunSpec:
     """Parse CLI-style arguments (`--config FILE` plus dotted overrides) into a validated RunSpec."""
-    args = list(argv)
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ValueError("--config needs a file path")
-        args[i + 1] = json.dumps(read_config(args[i + 1]))
+    # --config=FILE as --config FILE: every config file is read here (strictly), never by jsonargparse's own loader
+    args = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
+    for i, a in enumerate(args):
+        if a == "--config":
+            if i + 1 >= len(args):
+                raise ValueError("--config needs a file path")
+            args[i + 1] = json.dumps(read_config(args[i + 1]))
     from jsonargparse import ArgumentError
 
     p = parser()
@@ -78,9 +151,20 @@ def parse(argv: list[str]) -> RunSpec:
         cfg = p.parse_args(args)
         init = p.instantiate(cfg) if hasattr(p, "instantiate") else p.instantiate_classes(cfg)
     except ArgumentError as e:
-        raise ValueError(f"bad configuration: {e}") from None
+        raise ValueError(f"bad configuration: {_one_line(str(e))}") from None
     fields = {f.name for f in dataclasses.fields(RunSpec)}
     return RunSpec(**{k: v for k, v in vars(init).items() if k in fields}).validate()
+
+
+def _one_line(message: str) -> str:
+    """jsonargparse's nested error (`Parser key "policies": / Problem with given class_path ... / Parser key
+    "trainer.lr": / Expected a float...`) as one line: the dotted key, then the innermost problem."""
+    marks = list(re.finditer(r'Parser key "([^"]+)":?', message))
+    tail = message[marks[-1].end():] if marks else message
+    parts = [" ".join(line.split()) for line in tail.splitlines()
+             if line.strip() not in ("", "Errors:") and not line.strip().startswith("Problem with given class_path")]
+    key = ".".join(m.group(1) for m in marks)
+    return (f"{key}: " if key else "") + "; ".join(parts)
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> RunSpec:

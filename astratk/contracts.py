@@ -89,12 +89,43 @@ def expand_samples(requests: Sequence[GenerationRequest]) -> list[GenerationRequ
     return out
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room for a single new token in the model's context (`max_model_len`). The rollout
+    service drops its task before generation, counted (`prompt_too_long`, with the task id); nothing retries it."""
+
+    def __init__(self, n_prompt: int, max_model_len: int,
+                 where: str = "the model's context (max_model_len: its max_position_embeddings)") -> None:
+        super().__init__(f"a prompt of {n_prompt} tokens leaves no room for a new token in {where}, "
+                         f"{max_model_len} positions; shorten the prompt, or allow a longer context")
+        self.n_prompt, self.max_model_len = n_prompt, max_model_len
+
+
+def fit_context(request: GenerationRequest, max_model_len: int | None) -> GenerationRequest:
+    """`request` within a context of `max_model_len` positions (None: no limit): its token budget cut to the room the
+    prompt leaves (the completion then ends as "length" at the last position), or `PromptTooLong` when the prompt
+    leaves none. Engines and the rollout service apply it, so nothing generates past the model's position limit.
+
+    >>> fit_context(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=16)), 8).params.max_tokens
+    5
+    """
+    if max_model_len is None:
+        return request
+    room = max_model_len - len(request.prompt_ids)
+    if room < 1:
+        raise PromptTooLong(len(request.prompt_ids), max_model_len)
+    if request.params.max_tokens <= room:
+        return request
+    return replace(request, params=replace(request.params, max_tokens=room))
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One model at one weight version. Concurrent `generate` calls are merged into batches by the engine.
 
     `generate` returns one completion per sample, in request order: a request with `params.n = k` has its k samples
-    in its place (`expand_samples`)."""
+    in its place (`expand_samples`). An engine may say how many positions its model holds (prompt + completion) as
+    an `int` attribute `max_model_len` (TorchEngine and VLLMEngine do; None or absent: no limit known); the rollout
+    service then fits every request into it (`fit_context`)."""
 
     @property
     def version(self) -> int: ...

@@ -12,7 +12,8 @@ Layout (per-policy variables have a `policy` dimension, so multi-policy runs sha
 - dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, `data_groups_admitted`...;
 - dims `(drop,)`: `dropped`, every counted drop with coordinates `drop_stage` (curation, rollout, admission, serving:
   the data path's order), `drop_reason` (`zero_variance`, `stale`, a curator's name...), `drop_unit` (tasks, results,
-  groups, trajectories) and `drop_policy` ("" for task-level drops, which precede any policy);
+  groups, trajectories), `drop_policy` ("" for task-level drops, which precede any policy) and `drop_task_ids` (the
+  first tasks dropped, comma-separated, for drops counted per task: `prompt_too_long`);
 - dims `(service,)` (one per rollout service, i.e. per rollout worker that produced data), with coordinate
   `service_hardware` (its worker class / hardware label): `service_tasks`, `service_tasks_per_s`,
   `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims `(hardware,)`: the same per class
@@ -26,6 +27,7 @@ Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{n
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,7 +124,8 @@ def _drops(drops: Sequence[Drop], policies: Sequence[str], coords: dict[str, Any
         return {}
     coords.update(drop=np.arange(len(rows)), drop_stage=("drop", [d.stage for d in rows]),
                   drop_reason=("drop", [d.reason for d in rows]), drop_unit=("drop", [d.unit for d in rows]),
-                  drop_policy=("drop", [d.policy for d in rows]))
+                  drop_policy=("drop", [d.policy for d in rows]),
+                  drop_task_ids=("drop", [",".join(d.task_ids) for d in rows]))
     return {"dropped": (("drop",), np.array([d.count for d in rows]))}
 
 
@@ -134,10 +137,23 @@ def _attr(v: Any) -> Any:
     return str(v)
 
 
+# Serialises `save`'s brief change of Dask's (process-wide) scheduler setting, so that runs finishing together in one
+# process nest it properly and leave it as they found it.
+_SAVE_LOCK = threading.Lock()
+
+
 def save(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write `ds` as netCDF, whatever Dask's state in this process. xarray asks Dask for the current scheduler even
+    for numpy-backed data (to pick its file lock), and Dask's setting can name a distributed client that no longer
+    exists (`Client` sets it process-wide and a closing one restores an older value: another run's, or a failed
+    client's), which makes `to_netcdf` raise. So the data is loaded into memory and written under Dask's synchronous
+    scheduler: no cluster, no client, no other run is involved."""
+    import dask
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ds.to_netcdf(path, engine="h5netcdf")
+    with _SAVE_LOCK, dask.config.set(scheduler="synchronous"):
+        ds.load().to_netcdf(path, engine="h5netcdf")
     return path
 
 

@@ -198,16 +198,18 @@ class Drop:
     """Data the data layer dropped, counted (`DataLayer.drops()`): where, why, what was dropped and
     whose.
 
-    Units: `tasks` (refused by a curator, or failed `max_task_attempts` times), `results` (a
-    rollout's result refused: `unknown_lease`, `late_refused`), `trajectories` (`unscored`),
-    `groups` (`empty`, a filter's reason, `stale`, `overflow`). `policy` is "" for task-level
-    drops."""
+    Units: `tasks` (refused by a curator, failed `max_task_attempts` times, or a prompt longer than
+    the model's context: `prompt_too_long`), `results` (a rollout's result refused: `unknown_lease`,
+    `late_refused`), `trajectories` (`unscored`), `groups` (`empty`, a filter's reason, `stale`,
+    `overflow`). `policy` is "" for task-level drops. `task_ids`: the first tasks dropped, for drops
+    counted per task (`prompt_too_long`)."""
 
     stage: DropStage
     reason: str
     unit: Literal["tasks", "results", "trajectories", "groups"]
     policy: str
     count: float
+    task_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -322,3 +324,10 @@ class LeaseResult:
     hardware: str = "default"
     # policy -> engine version at start
     synced_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the lease's attempt (what `DataLayer.release` names when this attempt failed)
+    attempt: int = 1
+    # why this attempt produced no groups: "episode_timeout", "score_timeout" (rollout.*_timeout_s); None: it did
+    failure: str | None = None
+    # why the task was dropped before generation ("prompt_too_long": its prompt does not fit the model's context):
+    # the data layer drops it, counted with its id, and never re-issues it (every attempt would end alike)
+    dropped: str | None = None

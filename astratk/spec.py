@@ -60,9 +60,29 @@ class TinyModelSpec:
     seed: int = 0
 
     def validate(self, key: str = "model.tiny") -> None:
+        """Every shape the engines can serve and every warm-start setting (`astratk.models.tiny` builds
+        from them)."""
+        _positive(key, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                  intermediate_size=self.intermediate_size, warm_start_batch=self.warm_start_batch)
+        _finite(key, warm_start_lr=self.warm_start_lr)
+        _positive(key, warm_start_lr=self.warm_start_lr)
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
             raise ValueError(f"{key}: hidden_size / num_heads must be an integer >= 32 (vLLM's CPU "
                              f"attention needs it); got {self.hidden_size} / {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{key}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads}) for grouped-query attention")
+        if self.max_positions < 64:
+            raise ValueError(f"{key}.max_positions must be >= 64 (prompt + completion), got "
+                             f"{self.max_positions}")
+        if self.warm_start_steps < 0:
+            raise ValueError(f"{key}.warm_start_steps must be >= 0 (0: no warm start), got "
+                             f"{self.warm_start_steps}")
+        t = self.warm_start_target
+        if t is not None and not 0.0 <= t <= 1.0:
+            raise ValueError(f"{key}.warm_start_target: a fraction in [0, 1] or null (run every "
+                             f"step), got {t}")
 
 
 @dataclass
@@ -139,6 +159,34 @@ class ModelSpec:
             self.lora.validate(f"{key}.lora")
 
 
+@dataclass
+class DivergenceSpec:
+    """The trainer's divergence guard (`astratk.training.divergence`). A step whose loss or gradient norm
+    is not finite, or whose gradient norm is above `spike_factor` x the median norm of the last `window`
+    steps it accepted, is skipped: no weight update, nothing published, counted in
+    `train/<policy>/skipped_steps`. `max_skips` skipped steps in a row stop the run, saying why. The
+    defaults never fire on a healthy run: finite values, and norms within 100x of their median."""
+
+    # a gradient norm above this many times the running median is a spike; null: only non-finite
+    # loss or gradient norm skips a step
+    spike_factor: float | None = 100.0
+    # accepted steps whose gradient norms make the running median (spikes are looked for once it
+    # holds 10)
+    window: int = 100
+    # skipped steps in a row that stop the run
+    max_skips: int = 3
+
+    def validate(self, key: str = "trainer.divergence") -> None:
+        f = self.spike_factor
+        if f is not None and not 1.0 < f < float("inf"):
+            raise ValueError(f"{key}.spike_factor must be > 1 (a gradient norm this many times its "
+                             f"running median is a spike) or null (non-finite values only), got {f}")
+        for name in ("window", "max_skips"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key}.{name} must be an integer >= 1, got {v!r}")
+
+
 # Lightning's accelerator names and precision values that a trainer accepts ("auto": see TrainerSpec).
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
@@ -159,7 +207,8 @@ class TrainerSpec:
     aggregation: str = "seq-mean-token-sum-norm"
     # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
     horizon: int | None = None
-    # longest wait for one step's batch before the trainer fails, naming the wait
+    # longest wait for one step's batch: then the run stops early, saying what became of the data (the
+    # wait also ends, normally, at max_time_s)
     batch_timeout_s: float = 300.0
     # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
     kl_coef: float = 0.0
@@ -194,12 +243,26 @@ class TrainerSpec:
     # set_per_process_memory_fraction), so that a rollout worker on the same GPU keeps its own
     # (rollout.engine_args.gpu_memory_utilization); checked at start against the others. None: no cap.
     gpu_memory_fraction: float | None = None
+    # Skip steps whose loss or gradient norm is not finite or spikes, and stop after
+    # divergence.max_skips of them in a row (DivergenceSpec); null: no guard.
+    divergence: DivergenceSpec | None = field(default_factory=DivergenceSpec)
 
     def validate(self, key: str = "trainer") -> None:
         """Ranges; `aggregation` and `loggers` name entries of other modules' tables
         (`astratk.validation`)."""
         _positive(key, max_steps=self.max_steps, groups_per_step=self.groups_per_step, lr=self.lr,
-                  publish_every=self.publish_every)
+                  publish_every=self.publish_every, batch_timeout_s=self.batch_timeout_s)
+        _finite(key, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ValueError(f"{key}.max_time_s must be > 0 seconds or null (run max_steps), got "
+                             f"{self.max_time_s}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"{key}: weight_decay and grad_clip must be >= 0 (grad_clip 0 = no "
+                             f"clipping), got {self.weight_decay}, {self.grad_clip}")
+        if self.horizon is not None and self.horizon < 1:
+            raise ValueError(f"{key}.horizon must be >= 1 token or null (rollout.max_new_tokens), "
+                             f"got {self.horizon}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError(f"{key}: kl_coef and entropy_coef must be >= 0 (0 = off), got "
                              f"{self.kl_coef}, {self.entropy_coef}")
@@ -228,6 +291,8 @@ class TrainerSpec:
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"{key}.gpu_memory_fraction must be a fraction of the GPU's memory in "
                              f"(0, 1] (e.g. 0.5) or null (no cap), got {f!r}")
+        if self.divergence is not None:
+            self.divergence.validate(f"{key}.divergence")
 
 
 @dataclass
@@ -273,15 +338,29 @@ class RolloutSpec:
     # engine's share of its GPU, torch and vllm); torch also takes device (auto, cpu, cuda, cuda:N)
     # and dtype (auto: bfloat16 on a GPU with bf16, else float32)
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # Seconds one episode (every turn and env step of one sample) may take. An episode that overruns
+    # fails its task's attempt, which the data layer re-issues (up to dataflow.max_task_attempts,
+    # then drops it, counted). null: unbounded.
+    episode_timeout_s: float | None = 600.0
+    # Seconds one task's scoring (env.score over its group: reward functions, graders) may take.
+    # null: unbounded.
+    score_timeout_s: float | None = 120.0
+    # The reward of every sample of a group whose scoring overran; null: the attempt fails and is
+    # re-issued as a failed rollout is (counted either way).
+    score_timeout_reward: float | None = None
 
     def validate(self, key: str = "rollout") -> None:
         """Ranges; whether `engine` is known and installed is checked in `astratk.validation`."""
         _positive(key, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
                   tasks_per_chunk=self.tasks_per_chunk,
                   max_inflight_chunks=self.max_inflight_chunks, max_batch=self.max_batch)
-        if self.temperature <= 0:
+        if not 0 < self.temperature < float("inf"):
             raise ValueError(f"{key}.temperature: training rollouts sample, so it must be > 0 (got "
                              f"{self.temperature}); greedy decoding is for evaluation")
+        for name in ("episode_timeout_s", "score_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}.{name} must be > 0 seconds or null (unbounded), got {value}")
 
 
 @dataclass
@@ -417,7 +496,7 @@ class WorkerClass:
                              "and not 'control' (the data layer's worker)")
         if self.count < 0:
             raise ValueError(f"{key}.count must be >= 0, got {self.count}")
-        if self.slowdown < 1.0:
+        if not 1.0 <= self.slowdown < float("inf"):
             raise ValueError(f"{key}.slowdown must be >= 1 (a simulated class can only be slower "
                              f"than this machine), got {self.slowdown}")
         if self.nthreads is not None and self.nthreads < 1:
@@ -501,7 +580,8 @@ class ClusterSpec:
         """Ranges, pools and autoscale; TLS files and the labels every policy needs are in
         `astratk.validation`."""
         _positive(key, rollout_workers=self.rollout_workers,
-                  threads_per_worker=self.threads_per_worker, torch_threads=self.torch_threads)
+                  threads_per_worker=self.threads_per_worker, torch_threads=self.torch_threads,
+                  startup_timeout_s=self.startup_timeout_s)
         names: set[str] = set()
         for i, wc in enumerate(self.pools):
             if wc.name in names:
@@ -577,7 +657,7 @@ class WeightsSpec:
         if self.link_bandwidth_bps is not None and not self.link_bandwidth_bps > 0:
             raise ValueError(f"{key}.link_bandwidth_bps must be > 0 bits/s (e.g. 4.0e9) or null "
                              f"(no simulated link), got {self.link_bandwidth_bps}")
-        if self.link_latency_s < 0:
+        if not 0 <= self.link_latency_s < float("inf"):
             raise ValueError(f"{key}.link_latency_s must be >= 0 seconds, got "
                              f"{self.link_latency_s}")
 
@@ -595,7 +675,8 @@ class EvalSpec:
     pass_k: int = 0
 
     def validate(self, key: str = "eval") -> None:
-        _positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks)
+        _positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks,
+                  timeout_s=self.timeout_s)
         if self.pass_k < 0 or (self.every_versions is not None and self.every_versions < 1):
             raise ValueError(f"{key}: pass_k must be >= 0 (0 = off) and every_versions >= 1 or "
                              f"null, got {self.pass_k}, {self.every_versions}")
@@ -648,5 +729,12 @@ def _default(kind: str, name: str):
 
 def _positive(key: str, **values: float) -> None:
     for name, v in values.items():
-        if not v > 0:
+        if not v > 0:  # NaN too
             raise ValueError(f"{key}.{name} must be > 0, got {v}")
+
+
+def _finite(key: str, **values: float) -> None:
+    """Rates and coefficients: YAML's .nan and .inf parse as floats, and no range check refuses NaN."""
+    for name, v in values.items():
+        if not -float("inf") < v < float("inf"):
+            raise ValueError(f"{key}.{name} must be a finite number, got {v}")

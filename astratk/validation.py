@@ -5,10 +5,13 @@ and the fix.
 runs those and adds what one dataclass cannot know:
 - rules between fields: every env role played by exactly one policy, `dataflow.mixing` naming the
   env's sources, the synchronous mode's cluster and publish cadence, pool labels for every policy,
+  `rollout.group_size` >= 2 where groups of one cannot train (zero-variance filter, group advantages),
   `weights.publish_dtype` against the engines' dtype;
 - what the machine has, for a local cluster (`astratk.gpu`): `rollout.engine_args.device` / `.dtype` (a GPU asked
   for and absent, bf16 on a GPU without it), `cluster.rollout_gpus`; and, once a run starts (`check_gpu_memory`),
   whether the memory fractions of everything that shares a GPU fit;
+- what the files say: `resume_from` (a checkpoint torch can read, its run's config, the snapshot paired with it:
+  `check_resume`, reading only), and, once a run starts, `output_dir` (`check_output_dir`);
 - names that other modules own, asked of their owner: `trainer.aggregation`
   (`astratk.training.aggregation`), `trainer.loggers` (`astratk.training.loggers.check_loggers`),
   `dataflow.advantage` (`astratk.dataflow.advantages.get_advantage`), `rollout.engine`
@@ -35,6 +38,7 @@ from astratk.spec import SCORE_LABEL, ClusterSpec, DataflowSpec, PolicySpec, Run
 def validate(spec: RunSpec) -> RunSpec:
     """Every check of the spec (its plug-ins are built already); returns it, or raises
     ValueError."""
+    check_name(spec.name)
     env = spec.env
     if not isinstance(env, Env):
         raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
@@ -59,6 +63,7 @@ def validate(spec: RunSpec) -> RunSpec:
     spec.rollout.validate("rollout")
     spec.dataflow.validate("dataflow")
     check_dataflow(spec.dataflow, env)
+    check_group_size(spec)
     spec.cluster.validate("cluster")
     check_cluster(spec.cluster, [p.policy_id for p in spec.policies])
     if spec.dataflow.synchronous:
@@ -72,7 +77,34 @@ def validate(spec: RunSpec) -> RunSpec:
                          f"run {engine_dtype!r} (rollout.engine_args.dtype): every sync would "
                          "fetch a delta the engine refuses and then the full state; publish in the "
                          "engines' dtype")
+    if spec.resume_from:
+        check_resume(spec)
     return spec
+
+
+def check_name(name: str) -> None:
+    """`name` starts the run directory's name (`<output_dir>/<name>-<time>`): one path component."""
+    if not isinstance(name, str) or not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"name: {name!r} must be a non-empty name without '/' or '\\' (it names the run "
+                         "directory <output_dir>/<name>-<time>), e.g. quickstart")
+
+
+def check_resume(spec: RunSpec) -> None:
+    """`resume_from` names a checkpoint, its run's config and the data-layer snapshot paired with it
+    (`astratk.runtime.session.find_resume_point`, which only reads), so that a run that cannot resume fails before
+    it writes anything."""
+    if len(spec.policies) > 1:
+        raise ValueError("resume_from: resuming a multi-policy run is not supported yet; resume each policy's "
+                         "trainer with `astratk train fit --ckpt_path ...` against a deployment restored from its "
+                         "snapshot")
+    from astratk.runtime.session import find_resume_point
+
+    try:
+        find_resume_point(spec, spec.policies[0].policy_id)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a garbage index or config too
+        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+        raise ValueError(message if message.startswith("resume_from") else
+                         f"resume_from: {spec.resume_from!r} cannot be resumed: {message}") from None
 
 
 def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:
@@ -157,6 +189,27 @@ def check_dataflow(d: DataflowSpec, env: Env, key: str = "dataflow") -> None:
                              "{class_path: mixture})")
 
 
+def check_group_size(spec: RunSpec, key: str = "rollout.group_size") -> None:
+    """A group of one sample has zero reward variance: the zero-variance filter drops every such group, and a group
+    advantage (`astratk.dataflow.advantages.needs_group`) gives it 0, so the trainer would wait for a batch that
+    never comes while rollouts spin. Groups of one are allowed only with an advantage that learns from one sample
+    and no zero-variance filter."""
+    if spec.rollout.group_size >= 2:
+        return
+    from astratk.dataflow.advantages import get_advantage, needs_group
+    from astratk.dataflow.stages.filters import ZeroVariance
+
+    d, n = spec.dataflow, spec.rollout.group_size
+    if d.filter_zero_variance or any(isinstance(f, ZeroVariance) for f in d.filters):
+        raise ValueError(f"{key} is {n}: every group of one sample has zero reward variance, so the zero-variance "
+                         "filter (dataflow.filter_zero_variance / filters) drops every group and the trainer never "
+                         "gets a batch; use group_size >= 2 (e.g. 8)")
+    if needs_group(get_advantage(d.advantage)):
+        raise ValueError(f"{key} is {n}: dataflow.advantage {d.advantage!r} compares each sample with the rest of "
+                         "its group, so every group of one sample gets advantage 0 and nothing trains; use "
+                         "group_size >= 2 (e.g. 8), or an advantage that learns from one sample")
+
+
 def check_cluster(c: ClusterSpec, policies: list[str], key: str = "cluster") -> None:
     """TLS credentials (the runtime's check), and local pools that carry every policy's rollout
     label and the score label."""
@@ -239,6 +292,32 @@ def check_synchronous(spec: RunSpec) -> None:
 
 
 # ------------------------------------------------------------------------------------- at a run's start
+
+
+def check_output_dir(spec: RunSpec) -> None:
+    """Before a run writes anything: `output_dir` can take a new run directory. Every part of it that exists is a
+    directory, and the deepest existing one accepts a new entry (tried with a directory made and removed at once:
+    permission bits do not tell for root, read-only mounts or ACLs). Not in `validate`: a trainer job or
+    `astratk status` reads the same spec on a machine that writes nothing there."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from astratk.spec import StartError
+
+    target = Path(spec.output_dir).expanduser().resolve()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == target else f" (a part of {str(target)!r})"
+        raise StartError(f"output_dir: {str(existing)!r}{where} is a file, not a directory; give the directory "
+                         "that should hold the run directories (default: runs)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".astratk-write-check-", dir=existing))
+    except OSError as e:
+        raise StartError(f"output_dir: cannot create a run directory in {str(existing)!r} ({e.strerror or e}); "
+                         "give a directory you can write to") from None
 
 
 def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:

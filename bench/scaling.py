@@ -50,9 +50,10 @@ TASK_S = 0.2
 # ------------------------------------------------------------------------------------ processes we start and stop
 def start_scheduler(tmp: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     file = tmp / f"scheduler-{time.monotonic_ns()}.json"
+    # --no-dashboard alone still serves Dask's HTTP routes on 0.0.0.0:8787
     proc = subprocess.Popen([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                             "--scheduler-file", str(file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})})
+                             "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     while not file.exists() or not file.read_text().strip():
         if time.monotonic() > deadline or proc.poll() is not None:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from astratk.contracts import Completion, Engine, GenerationRequest, SamplingParams
+from astratk.contracts import Completion, Engine, GenerationRequest, PromptTooLong, SamplingParams
 from astratk.models.chat import encode_chat, stop_token_ids
 from astratk.records import Task, Trajectory
 
@@ -34,8 +34,9 @@ from astratk.records import Task, Trajectory
 @dataclass(frozen=True)
 class Budget:
     """Per-episode limits. `max_turns`: assistant turns; `max_tokens_per_turn`: None = the run's `max_new_tokens`;
-    `max_context`: prompt + everything appended (the engine's context must hold it); `max_env_tokens`: longest
-    environment/tool message, longer output is cut (and counted)."""
+    `max_context`: prompt + everything appended (a smaller context of the engine, its `max_model_len`, wins once the
+    first turn has met the engine); `max_env_tokens`: longest environment/tool message, longer output is cut (and
+    counted)."""
 
     max_turns: int = 4
     max_tokens_per_turn: int | None = None
@@ -201,14 +202,15 @@ class Conversation:
     # Messages appended since the last assistant turn, and where their tokens start: a further message re-renders them.
     _pending: list[dict[str, str]] = field(default_factory=list)
     _tail: int = 0
+    # the engine's context (`max_model_len`), learnt at the first assistant turn; None: unknown or unlimited
+    _engine_context: int | None = None
 
     @classmethod
     def start(cls, tokenizer: Any, messages: Sequence[Mapping[str, str]], budget: Budget = Budget(), *,
               chat: ChatTurns | None = None) -> Conversation:
         prompt = encode_chat(tokenizer, list(messages))
-        if len(prompt) >= budget.max_context:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, at or over budget.max_context="
-                             f"{budget.max_context}")
+        if len(prompt) >= budget.max_context:  # the rollout service drops such a task, counted
+            raise PromptTooLong(len(prompt), budget.max_context, "the episode's budget.max_context")
         return cls(tokenizer, budget, list(prompt), len(prompt), chat or ChatTurns(tokenizer),
                    stop_token_ids(tokenizer))
 
@@ -218,9 +220,15 @@ class Conversation:
         return int(self.metrics["turns"])
 
     @property
+    def max_context(self) -> int:
+        """The episode's context: `budget.max_context`, or the engine's when smaller (known after the first turn)."""
+        engine = self._engine_context
+        return self.budget.max_context if engine is None else min(self.budget.max_context, engine)
+
+    @property
     def room(self) -> int:
-        """Tokens left in the context budget."""
-        return self.budget.max_context - len(self.tokens)
+        """Tokens left in the context."""
+        return self.max_context - len(self.tokens)
 
     @property
     def can_continue(self) -> bool:
@@ -233,6 +241,10 @@ class Conversation:
         if not self.can_continue:
             raise RuntimeError(f"no assistant turn left: {self.turns}/{self.budget.max_turns} turns, "
                                f"{self.room} tokens of context room (check `can_continue` first)")
+        if self._engine_context is None and getattr(engine, "max_model_len", None):
+            self._engine_context = int(engine.max_model_len)
+            if self.room <= 0:  # only before the first turn: from then on messages are cut to the room
+                raise PromptTooLong(len(self.tokens), self.max_context)
         per_turn = self.budget.max_tokens_per_turn or sampling.max_tokens
         max_tokens = min(per_turn, self.room)
         params = SamplingParams(temperature=sampling.temperature, max_tokens=max_tokens, stop_token_ids=self.stop_ids,

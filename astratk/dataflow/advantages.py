@@ -35,6 +35,20 @@ def rloo(rewards: Sequence[float]) -> list[float]:
     return (r - (r.sum() - r) / (n - 1)).tolist()
 
 
+def needs_group(fn: Callable[[Sequence[float]], Sequence[float]]) -> bool:
+    """Whether advantage `fn` compares a sample with the rest of its group, so that a group of one sample always
+    gets advantage 0 and trains nothing (every built-in: dr_grpo, grpo, rloo). Probed on one-sample groups of a few
+    rewards; a function that fails on one sample needs a group too.
+
+    >>> needs_group(dr_grpo), needs_group(lambda rewards: list(rewards))
+    (True, False)
+    """
+    try:
+        return all(all(float(a) == 0.0 for a in fn([r])) for r in (0.0, 1.0, -1.5))
+    except Exception:  # noqa: BLE001 - a function that cannot take one sample cannot train on groups of one
+        return True
+
+
 def get_advantage(name: str) -> Callable[[Sequence[float]], list[float]]:
     """The advantage function `name` (short name or dotted path), or a ValueError with the choices.
 

@@ -201,6 +201,16 @@ class DataLayer:
             return AdmitOutcome(lease_id, "held", self._maybe_flush_round())
         return AdmitOutcome(lease_id, status, self._admission.admit(groups))
 
+    def drop_leases(self, items: Sequence[tuple[str, str]]) -> list[str]:
+        """Close leases whose task cannot be rolled out, (lease id, reason) each (the rollout service
+        found e.g. `prompt_too_long` before generating): no group, the task counted dropped with its
+        id (`LeaseBook.drop`), never re-issued. Idempotent by lease id, as `admit` is; returns each
+        lease's close status."""
+        statuses = [self._book.drop(lease_id, reason, accept_late=not self._sync)
+                    for lease_id, reason in items]
+        self._maybe_flush_round()
+        return statuses
+
     def admit_many(self, items: Sequence[tuple[str, Sequence[Group]]]) -> AdmitReport:
         """`admit` for several leases in one call (one actor round trip per rollout chunk, not one
         per lease), plus the policies' versions after admission."""

@@ -8,6 +8,9 @@ one place, once:
 - **dropped**, with a counted reason: `failed` after `max_task_attempts` rollouts that failed or
   expired.
 
+A result may also say that the task cannot be rolled out at all (`drop`: a prompt longer than the
+model's context); that lease ends admitted, with its task counted dropped by that reason.
+
 Until then it is *out* (outstanding, with a deadline) or *waiting* for re-issue. A lease that passes
 its deadline is re-issued with the same id and the next attempt number, so a slow original and its
 re-issue cannot both be admitted. A result may still arrive for a lease that was dropped after its
@@ -199,6 +202,19 @@ class LeaseBook:
         self._waiting.pop(lease_id, None)
         self._admitted.add(lease_id)
         self.counts["data/tasks_completed"] += 1
+        return status
+
+    def drop(self, lease_id: str, reason: str, accept_late: bool = True) -> CloseStatus:
+        """A result for `lease_id` that says its task cannot be rolled out at all (`reason`, e.g.
+        `prompt_too_long`: every attempt would end alike). The lease closes as for any result (it
+        counts in `data/tasks_completed`, a later result is a duplicate) and its task is counted
+        dropped: `data/tasks_dropped_<reason>`, and a `rollout` drop with the task id."""
+        lease = (self._out.get(lease_id) or self._waiting.get(lease_id)
+                 or self._dropped.get(lease_id))
+        status = self.close(lease_id, lease.task.task_id if lease else None, accept_late)
+        if status in ("new", "late"):
+            self.counts[f"data/tasks_dropped_{reason}"] += 1
+            self.drops.add("rollout", reason, "tasks", task_id=lease.task.task_id)
         return status
 
     def is_admitted(self, lease_id: str) -> bool:

@@ -10,7 +10,9 @@ Adding an engine:
    (log-probs of the distribution actually sampled, temperature applied; one version per token), and
    `load_weights(state_or_delta, version)` (a full/partial state by name, or an `astratk.weights.SparseDelta`),
    documenting when a new version takes effect (between batches, between decode
-   steps...) and what happens to KV computed under old weights;
+   steps...) and what happens to KV computed under old weights; and `max_model_len`, the positions its model
+   holds, if it knows them: the rollout service fits requests into it and drops tasks whose prompt does not fit
+   (`astratk.contracts.fit_context`);
 2. merge concurrent `generate` calls into batches inside the engine: many small agent steps arrive at once;
 3. take the model directory as the first constructor argument (`build_engine` calls `cls(model_path, **kw)`), and
    `max_batch` (`rollout.max_batch`) if the engine bounds its batches; every `rollout.engine_args` key must be a

@@ -43,6 +43,10 @@ class AdapterView:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int | None:
+        return getattr(self.engine, "max_model_len", None)
+
+    @property
     def broken(self) -> RuntimeError | None:
         return getattr(self.engine, "broken", None)
 

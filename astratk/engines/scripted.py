@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from astratk.contracts import Completion, GenerationRequest, SamplingParams, expand_samples
+from astratk.contracts import Completion, GenerationRequest, SamplingParams, expand_samples, fit_context
 
 Script = Callable[[tuple[int, ...], SamplingParams], Sequence[int]] | Sequence[Sequence[int]]
 
@@ -30,6 +30,8 @@ class ScriptedEngine:
     A completion is cut after its first stop token, then to `max_tokens`; `finish_reason` is "stop" when its last
     token is one of the request's stop tokens, else "length". Every token gets log-prob `logprob` and the engine's
     current version. `load_weights` only records what it was given (`loads`: (version, sorted names) per call).
+    `max_model_len` (None: no limit) gives the engine a context length, fitted as real engines fit it
+    (`fit_context`: the budget cut to the room left, `PromptTooLong` when there is none).
 
     Example:
         >>> engine = ScriptedEngine(None, [[5, 6, 7]])
@@ -40,7 +42,7 @@ class ScriptedEngine:
     """
 
     def __init__(self, tokenizer: Any = None, script: Script = ((0,),), *, logprob: float = math.log(0.5),
-                 version: int = 0) -> None:
+                 version: int = 0, max_model_len: int | None = None) -> None:
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = _tokenizer_of(os.fspath(tokenizer))
         if callable(script):
@@ -59,6 +61,7 @@ class ScriptedEngine:
         self._tokenizer = tokenizer
         self._logprob = float(logprob)
         self._version = version
+        self.max_model_len = max_model_len
         self.loads: list[tuple[int, tuple[str, ...]]] = []
         self.requests: list[GenerationRequest] = []  # every request seen, in order (for assertions)
 
@@ -71,7 +74,7 @@ class ScriptedEngine:
         return self._tokenizer
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        return [self._complete(r) for r in expand_samples(requests)]
+        return [self._complete(fit_context(r, self.max_model_len)) for r in expand_samples(requests)]
 
     def load_weights(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:
         names = state.changes if hasattr(state, "changes") else state  # a SparseDelta: the names it changes

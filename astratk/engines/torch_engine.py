@@ -61,7 +61,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from astratk.contracts import Completion, GenerationRequest, expand_samples
+from astratk.contracts import Completion, GenerationRequest, expand_samples, fit_context
 from astratk.engines.memory import MARGIN, MemoryBudget, model_budget
 from astratk.gpu import check_fraction, reserve_memory, resolve_device, resolve_dtype
 from astratk.models.loading import load_causal_lm, load_tokenizer
@@ -268,6 +268,13 @@ class TorchEngine:
         return self._tokenizer
 
     @property
+    def max_model_len(self) -> int | None:
+        """Positions the model holds, prompt and completion together (its config's `max_position_embeddings`; None
+        when it has none): requests are cut to fit it (`fit_context`)."""
+        n = getattr(getattr(self._model, "config", None), "max_position_embeddings", None)
+        return int(n) if n else None
+
+    @property
     def stats(self) -> dict[str, int]:
         """Counters since construction: batches run, requests and tokens served, largest batch, failed batches,
         batches cut short by the memory budget."""
@@ -301,8 +308,11 @@ class TorchEngine:
 
     def submit(self, requests: Sequence[GenerationRequest], adapter: str | None = None) -> concurrent.futures.Future:
         """Queue requests from any thread; the future resolves to their completions, in order (n per request).
-        `adapter`: the LoRA adapter to run them with (`add_adapter`; None: the base model)."""
-        call = _Call(expand_samples(requests), adapter=adapter)
+        `adapter`: the LoRA adapter to run them with (`add_adapter`; None: the base model). A request's token budget
+        is cut to the room its prompt leaves in the model's context, and a prompt that leaves none raises
+        `PromptTooLong` (`fit_context`): rotary positions past the trained ones would produce garbage, slowly."""
+        limit = self.max_model_len
+        call = _Call([fit_context(r, limit) for r in expand_samples(requests)], adapter=adapter)
         if adapter is not None:
             self._adapter(adapter)
         for r in call.requests:

@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from astratk.contracts import Completion, GenerationRequest, expand_samples
+from astratk.contracts import Completion, GenerationRequest, PromptTooLong, expand_samples
 from astratk.engines import _vllm_compat as compat
 from astratk.engines.torch_engine import _Call, _settle, check_prompt
 from astratk.models.loading import load_tokenizer, tokenizer_fallback, tokenizer_only_dir
@@ -202,6 +202,11 @@ class VLLMEngine:
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Positions a request may use, prompt and completion together (vLLM's `max_model_len`)."""
+        return self._max_len
 
     @property
     def broken(self) -> RuntimeError | None:
@@ -390,6 +395,8 @@ class VLLMEngine:
 
     def _validate(self, r: GenerationRequest) -> None:
         check_prompt(r, self._vocab)
+        if len(r.prompt_ids) >= self._max_len:  # no room for one token: the rollout service drops such a task
+            raise PromptTooLong(len(r.prompt_ids), self._max_len)
         if len(r.prompt_ids) + r.params.max_tokens > self._max_len:
             raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) exceeds the "
                              f"engine's max_model_len {self._max_len}: shorten the prompt or the budget, or build "

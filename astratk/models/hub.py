@@ -10,8 +10,9 @@ safetensors weights.
 A run resolves its Hub ids once, before it writes anything (`Run`), pins `model.revision` to the commit it got, so
 the run's `config.yaml` reproduces it exactly, and records the snapshot directory and commit in `summary.json`
 (`models`). Every error is one line that names the key and the id: an id that does not exist, a revision that does
-not, a gated repository without a token, no network and no cached copy, or a cached snapshot that lacks a file a run
-needs (config.json, weights).
+not, a gated repository without a token, no network and no cached copy, or a directory (local or a cached snapshot)
+that lacks a file a run needs (config.json, weights) or holds a broken one (JSON that does not parse, a truncated
+safetensors file).
 
 Example:
     >>> resolved = resolve("Qwen/Qwen2.5-0.5B-Instruct", key="policies[0].model.path")  # doctest: +SKIP
@@ -21,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass
@@ -112,12 +114,59 @@ def _download(repo_id: str, revision: str | None, key: str, cache_dir: str | Non
 
 def _check_directory(directory: Path, key: str, path: str) -> None:
     """A model directory a run can load: config.json and safetensors weights (a broken symlink in a Hub cache, a
-    partial download, counts as missing)."""
+    partial download, counts as missing), its JSON files parse and its safetensors files are whole."""
     if not directory.is_dir():
         raise StartError(f"{key}: no model directory at {str(directory)!r} (give a directory saved with "
                          "save_pretrained, or a Hub id org/name)")
     if not (directory / "config.json").is_file():
         raise StartError(f"{key}: {path!r} is not an HF model directory: config.json is missing in {str(directory)!r}")
-    if not any(p.is_file() for p in directory.glob("*.safetensors")):
+    weights = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    if not weights:
         raise StartError(f"{key}: {path!r} has no safetensors weights in {str(directory)!r} (astratk loads "
                          "*.safetensors; convert .bin weights with save_pretrained)")
+    # Cheap (headers only) and before anything is written: a file the loaders would fail on, deep in set-up.
+    for file in sorted(directory.glob("*.json")):
+        _check_json(file, key, path)
+    for file in weights:
+        _check_safetensors(file, key, path)
+
+
+def _check_json(file: Path, key: str, path: str) -> None:
+    """config.json and the other JSON files of a model directory (tokenizer, generation config, shard index)
+    parse."""
+    try:
+        json.loads(file.read_bytes())
+    except json.JSONDecodeError as e:
+        raise StartError(f"{key}: {path!r}: {file.name} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno}) in {str(file.parent)!r}; save or download the model again") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise StartError(f"{key}: {path!r}: cannot read {file.name} in {str(file.parent)!r} ({e}); save or "
+                         "download the model again") from None
+
+
+def _check_safetensors(file: Path, key: str, path: str) -> None:
+    """A safetensors file is whole: an 8-byte little-endian header length, that many bytes of JSON header, and
+    every tensor's data offsets inside the file (a truncated copy or download fails here, not in set-up)."""
+    size = file.stat().st_size
+
+    def broken(why: str) -> StartError:
+        return StartError(f"{key}: {path!r}: {file.name} is not a whole safetensors file ({why}) in "
+                          f"{str(file.parent)!r}; save or download the model again")
+
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise broken(f"{size} bytes, fewer than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise broken(f"its header claims {n} bytes but the file has {size}")
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise TypeError(type(header).__name__)  # one message for every malformed header, below
+            end = max((int(t["data_offsets"][1]) for name, t in header.items() if name != "__metadata__"),
+                      default=0)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise broken(f"its header is not safetensors JSON: {e}") from None
+    if 8 + n + end > size:
+        raise broken(f"truncated: its tensors end at byte {8 + n + end} but the file has {size} bytes")

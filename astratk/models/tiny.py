@@ -18,21 +18,9 @@ from astratk.spec import TinyModelSpec
 
 
 def check_tiny_spec(spec: TinyModelSpec) -> None:
-    """Reject shapes the engines cannot serve, naming the fields to change."""
-    if spec.hidden_size % spec.num_heads:
-        raise ValueError(f"model.tiny: hidden_size ({spec.hidden_size}) must be a multiple of num_heads "
-                         f"({spec.num_heads})")
-    if spec.hidden_size // spec.num_heads < 32:
-        raise ValueError(f"model.tiny: head dimension hidden_size / num_heads = {spec.hidden_size // spec.num_heads} "
-                         "is below 32, which vLLM's CPU attention cannot run; raise hidden_size or lower num_heads")
-    if spec.warm_start_target is not None and not 0.0 <= spec.warm_start_target <= 1.0:
-        raise ValueError(f"model.tiny.warm_start_target: a fraction in [0, 1] or None (run every step), got "
-                         f"{spec.warm_start_target}")
-    if spec.max_positions < 64:
-        raise ValueError(f"model.tiny.max_positions must be >= 64 (prompt + completion), got {spec.max_positions}")
-    if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"model.tiny: num_heads ({spec.num_heads}) must be a multiple of num_kv_heads "
-                         f"({spec.num_kv_heads}) for grouped-query attention")
+    """Reject shapes the engines cannot serve, naming the fields to change (the rules live with the spec, which
+    `RunSpec.validate` checks at parse time)."""
+    spec.validate("model.tiny")
 
 
 def tiny_config(spec: TinyModelSpec, tokenizer) -> Qwen2Config:

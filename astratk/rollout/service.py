@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -28,13 +29,17 @@ from collections.abc import Sequence
 
 import torch
 
-from astratk.contracts import Engine, Env, SamplingParams
+from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams
 from astratk.engines import build_engine
 from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory
+from astratk.rollout.bounded import BoundExceeded, bounded_episode, call_bounded, run_episodes
+from astratk.rollout.context import limit_engines
 from astratk.rollout.lockstep import Lockstep
 from astratk.spec import LoraSpec
 from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
+
+log = logging.getLogger(__name__)
 
 _SERVICES: dict[str, RolloutService] = {}
 _SERVICES_LOCK = threading.Lock()
@@ -173,7 +178,7 @@ class RolloutService:
         synced = {pid: self.sync(pid) for pid in policies}
         hardware, slowdown = worker_hardware()
         stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
-        return asyncio.run(self._rollout_all(leases, stamp, slowdown))
+        return run_episodes(self._rollout_all(leases, stamp, slowdown))
 
     async def _rollout_all(self, leases: Sequence[Lease], stamp: dict, slowdown: float) -> list[LeaseResult]:
         lock = None
@@ -190,6 +195,7 @@ class RolloutService:
         if lock is not None:
             shared = {id(e): lock.engine(e) for e in engines.values()}  # one wrapper per engine: one batch each
             engines = {role: shared[id(e)] for role, e in engines.items()}
+        engines = limit_engines(engines)  # outermost: a prompt too long is refused before it joins a batch
         # top-K log-probs only when a routed policy's loss needs them (DPPO Top-K): they cost memory per token
         top_k = max(self.spec.policy(pid).loss.needs_topk for pid in lease.routes.values())
         sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, top_k_logprobs=top_k)
@@ -199,23 +205,44 @@ class RolloutService:
                     for i in range(r.group_size)]
         if lock is not None:
             episodes = [lock.run((lease.lease_id, i), ep) for i, ep in enumerate(episodes)]
-        episodes = await asyncio.gather(*episodes)
+        what = f"an episode of task {lease.task.task_id!r} (rollout.episode_timeout_s)"
+        try:
+            episodes = await asyncio.gather(*(bounded_episode(ep, r.episode_timeout_s, what) for ep in episodes))
+        except BoundExceeded as e:  # the attempt fails; the data layer re-issues the task (acquisition: admit_task)
+            log.warning("%s", e)
+            return LeaseResult(lease.lease_id, (), time.perf_counter() - start, attempt=lease.attempt,
+                               failure="episode_timeout", **stamp)
+        except PromptTooLong as e:  # every attempt would fail alike: the data layer drops the task, counted
+            log.warning("task %r dropped before generation: %s", lease.task.task_id, e)
+            return LeaseResult(lease.lease_id, (), time.perf_counter() - start, attempt=lease.attempt,
+                               dropped="prompt_too_long", **stamp)
         if slowdown > 1.0:  # simulated slower hardware (astratk.runtime.pools): generation takes `slowdown` x as long
             await asyncio.sleep((slowdown - 1.0) * (time.perf_counter() - start))
         groups = _groups_by_role(lease, [t for episode in episodes for t in episode], stamp["service"])
-        return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, **stamp)
+        return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, attempt=lease.attempt, **stamp)
 
     def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
         """Score each lease's episodes in one `env.score` call over all its roles' trajectories (a workflow's reward
         for one role may depend on another role's output, e.g. a verifier's on the solver's answer; `group_id`
         "<lease>/<episode>" pairs the roles of one episode), then split the rewards back into the role groups."""
         out = []
+        r = self.spec.rollout
         for res in results:
             if not res.groups:
                 out.append(res)
                 continue
             flat = [t for g in res.groups for t in g.trajectories]
-            scored = list(self.env.score_with_metrics(res.groups[0].task, flat))
+            task = res.groups[0].task
+            try:
+                scored = list(call_bounded(lambda task=task, flat=flat: self.env.score_with_metrics(task, flat),
+                                           r.score_timeout_s,
+                                           f"scoring of task {task.task_id!r} (rollout.score_timeout_s)"))
+            except BoundExceeded as e:
+                log.warning("%s", e)
+                if r.score_timeout_reward is None:  # the attempt fails and is re-issued (admit_task releases it)
+                    out.append(dataclasses.replace(res, groups=(), failure="score_timeout"))
+                    continue
+                scored = [(r.score_timeout_reward, {"score_timed_out": 1.0}) for _ in flat]
             rewards = [r for r, _ in scored]
             flat = [dataclasses.replace(t, metrics={**t.metrics, **m}) if m else t for t, (_, m) in zip(flat, scored)]
             if len(rewards) != len(flat):
@@ -249,12 +276,20 @@ class RolloutService:
         first = next(iter(versions))
         run_routes = self.spec.role_routes()
         routes = {role: run_routes[role] if run_routes.get(role) in versions else first for role in self.env.roles}
-        engines = {role: self.engine(pid, "eval") for role, pid in routes.items()}
+        engines = limit_engines({role: self.engine(pid, "eval") for role, pid in routes.items()})
         tasks = list(self.env.tasks("heldout"))[:max_tasks]
         greedy = SamplingParams(temperature=0.0, max_tokens=self.spec.rollout.max_new_tokens)
 
         async def one(task: Task, sampling: SamplingParams, tag: str) -> list[Trajectory]:
-            return await self.env.rollout(task, engines, sampling, policy_ids=routes, group_id=f"eval/{task.task_id}/{tag}")
+            episode = self.env.rollout(task, engines, sampling, policy_ids=routes, group_id=f"eval/{task.task_id}/{tag}")
+            try:
+                return await bounded_episode(episode, self.spec.rollout.episode_timeout_s,
+                                             f"a held-out episode of task {task.task_id!r} (rollout.episode_timeout_s)")
+            except BoundExceeded as e:  # scored 0: evaluation must not drop tasks
+                log.warning("%s", e)
+                return []
+            except PromptTooLong:  # a held-out prompt longer than the model's context: scored 0 likewise
+                return []
 
         async def run_all() -> tuple[list[list[Trajectory]], list[list[list[Trajectory]]]]:
             greedy_eps = asyncio.gather(*(one(t, greedy, "g") for t in tasks))
@@ -265,11 +300,20 @@ class RolloutService:
                 for i in range(pass_k))) for t in (tasks if pass_k > 0 else [])))
             return list(await greedy_eps), list(await sampled)
 
-        episodes, sampled = asyncio.run(run_all())
+        episodes, sampled = run_episodes(run_all())
+
+        def score(task: Task, trajs: list[Trajectory]) -> list[float | None]:
+            try:
+                return call_bounded(lambda: self.env.score(task, trajs), self.spec.rollout.score_timeout_s,
+                                    f"held-out scoring of task {task.task_id!r} (rollout.score_timeout_s)")
+            except BoundExceeded as e:
+                log.warning("%s", e)
+                return [None] * len(trajs)
+
         by_role: dict[str, list[float]] = {role: [] for role in self.env.roles}
         by_env: dict[str, list[float]] = {}
         for task, trajs in zip(tasks, episodes):
-            scores = self.env.score(task, trajs)
+            scores = score(task, trajs)
             for role in self.env.roles:  # an unscorable episode counts as 0 (evaluation must not drop tasks)
                 mine = [sc for sc, t in zip(scores, trajs) if t.role == role and sc is not None]
                 by_role[role].append(sum(mine) / len(mine) if mine else 0.0)
@@ -279,7 +323,7 @@ class RolloutService:
             solver, passed = self.env.roles[0], 0
             for task, per_task in zip(tasks, sampled):  # one episode is scored at a time, as above
                 passed += any(sc is not None and sc >= 1.0 for ep in per_task
-                              for sc, t in zip(self.env.score(task, ep), ep) if t.role == solver)
+                              for sc, t in zip(score(task, ep), ep) if t.role == solver)
             out[f"pass_at_{pass_k}"] = passed / max(1, len(tasks))
         rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (the solver's)
         version = synced[first]

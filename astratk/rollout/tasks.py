@@ -27,7 +27,21 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
     """Admit each lease's groups (idempotent by lease id) in one data-layer call. Returns float totals plus, under
     "services", what each rollout service produced in this chunk (`astratk.runtime.acquisition.ServiceStats`
     aggregates them). In synchronous mode a round's groups are admitted when the round completes, so a chunk's
-    "groups_admitted" counts whatever its call completed."""
+    "groups_admitted" counts whatever its call completed. A lease whose attempt failed (an episode or its scoring
+    overran: `LeaseResult.failure`) is released for re-issue, counted as `<failure>s` (e.g. "episode_timeouts"); one
+    whose task cannot be rolled out (`LeaseResult.dropped`) is dropped by the data layer, counted with its task id."""
+    failed = [res for res in results if res.failure is not None]
+    failures: dict[str, float] = {}
+    for res in failed:
+        failures[f"{res.failure}s"] = failures.get(f"{res.failure}s", 0.0) + 1.0
+    if failed:
+        for reason in {res.failure for res in failed}:
+            datalayer.release([(res.lease_id, res.attempt) for res in failed if res.failure == reason], reason)
+    results = [res for res in results if res.failure is None]
+    # a task that cannot be rolled out (its prompt does not fit the model's context) is dropped, never re-issued
+    if dropped := [(res.lease_id, res.dropped) for res in results if res.dropped is not None]:
+        datalayer.drop_leases(dropped)
+        results = [res for res in results if res.dropped is None]
     reply = datalayer.admit_many([(res.lease_id, res.groups) for res in results])
     current = reply.versions  # "current" for the version lag: the version at admission
     admitted = duplicates = samples = 0
@@ -52,7 +66,7 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
                 s["versions"].append(g.version)
                 s["lags"].append(current[g.policy_id] - g.version)
     return {"leases": float(len(results)), "groups_admitted": float(admitted), "duplicates": float(duplicates),
-            "samples": float(samples), "rollout_seconds": seconds, "services": services}
+            "samples": float(samples), "rollout_seconds": seconds, "services": services, **failures}
 
 
 def evaluate_task(ctx: RunContext, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0

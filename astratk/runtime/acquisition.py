@@ -99,7 +99,12 @@ class Acquisition:
             self.counts["acquisition/chunks_submitted"] += 1
 
     def _loop(self) -> None:
-        from distributed import wait
+        # `distributed.wait` waits through the process's default client: another run's, or none (a run's client is
+        # not the default: astratk.runtime.session). `_wait` is what it runs, here on this run's client.
+        from distributed.client import _wait
+
+        def wait(futures: list[Any], timeout: float, return_when: str) -> Any:
+            return self.client.sync(_wait, futures, timeout=timeout, return_when=return_when)
 
         while not self._stop.is_set():
             try:

@@ -119,7 +119,8 @@ def connect(spec: RunSpec) -> Any:
                          "local cluster); give the address that `dask scheduler` prints")
     sec = security(spec)
     try:
-        return Client(c.scheduler_address, security=sec, timeout=c.startup_timeout_s)
+        # not the process's default client: a run's client must not change Dask's process-wide settings
+        return Client(c.scheduler_address, security=sec, timeout=c.startup_timeout_s, set_as_default=False)
     except OSError as e:  # distributed's comm errors, SSL errors and its connect timeout are all OSErrors
         hint = "is `dask scheduler` running there, and reachable from this machine?"
         if c.scheduler_address.startswith("tls://"):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.dataflow.client import DataLayerClient
+from astratk.dataflow.client import DataLayerClient, bind_actor
 from astratk.dataflow.datalayer import DataLayer
 from astratk.records import RunContext
 from astratk.runtime import registry
@@ -43,17 +43,22 @@ class Deployment:
     def stop(self) -> None:
         """Stop acquiring; then the data layer writes a final snapshot (when it has a store), so a later run can
         continue from exactly here."""
-        self.datalayer.recover = None  # from here on a lost actor is shutdown, not a failure to repair
+        # from here on a lost actor is shutdown, not a failure to repair (or to wait for)
+        published, self.datalayer.recover, self.datalayer.published = self.datalayer.published, None, None
         self.acquisition.stop()
         try:
             self.datalayer.snapshot("final", timeout=30)
         except RuntimeError:  # no snapshot store configured
             pass
-        if self.name and self.client is not None:
-            try:
+        if self.client is None:
+            return
+        try:
+            if published is not None:
+                self.client.unpublish_dataset(published)
+            if self.name:
                 registry.unpublish(self.client, self.name)
-            except Exception:  # noqa: BLE001, S110 - the scheduler may already be gone at teardown
-                pass
+        except Exception:  # noqa: BLE001, S110 - the scheduler may already be gone at teardown
+            pass
 
 
 def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_url: str | None = None,
@@ -61,13 +66,17 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
     """Start the data layer actor (writing snapshots to `snapshot_url`; continuing from snapshot `restore` =
     (store URL, snapshot name or None for the newest) when given), tell it every policy's newest published version,
     start acquisition. With `name`, publish the deployment on the scheduler so trainer processes can attach
-    (`astratk.runtime.registry`). Returns the handles."""
+    (`astratk.runtime.registry`). Returns the handles.
+
+    The current actor is also published as the Dask dataset `registry.datalayer_dataset(ctx.run_id)`: the copies of the
+    handle that travel with rollout chains follow it to a replacement (`DataLayerClient`)."""
     spec = ctx.spec
     wait_for_workers(client, ["control"], 1, timeout_s)
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
     wait_for_workers(client, need, 1, timeout_s)
     wait_for_workers(client, [SCORE_LABEL], 1, timeout_s)  # the same workers, or score-only ones (docs/cluster.md)
     store = WeightStore.from_spec(ctx.store_url, spec.weights)
+    published = registry.datalayer_dataset(ctx.run_id)
 
     def start(restore_from: tuple[str, str | None] | None) -> Any:
         actor = start_datalayer(client, spec, timeout_s, snapshot_url, restore_from)
@@ -79,6 +88,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
             actor.publish_version(ref).result(timeout=timeout_s)
         if snapshot_url:
             actor.snapshot("periodic").result(timeout=timeout_s)  # so a replacement always has a state to start from
+        client.publish_dataset(actor, name=published, override=True)  # last: it is ready for callers
         if name:
             registry.publish(client, registry.DeploymentInfo(name, ctx, actor, snapshot_url, time.time()))
         return actor
@@ -90,18 +100,19 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
         wait_for_workers(client, ["control"], 1, timeout_s)
         return start((snapshot_url, None))
 
-    handle = DataLayerClient(start(restore), recover=recover if snapshot_url else None)
+    handle = DataLayerClient(start(restore), recover=recover if snapshot_url else None, published=published)
     acquisition = Acquisition(client, handle, ctx).start()
     return Deployment(ctx, handle, acquisition, store, name, client)
 
 
 def start_datalayer(client: Any, spec: Any, timeout_s: float, snapshot_url: str | None = None,
                     restore: tuple[str, str | None] | None = None) -> Any:
-    """The data-layer actor on the control worker, restored from a snapshot when `restore` is given."""
+    """The data-layer actor on the control worker, restored from a snapshot when `restore` is given. It calls
+    through `client`, whether or not that is this process's default client (`bind_actor`)."""
     future = client.submit(DataLayer, spec, snapshot_url=snapshot_url, actor=True, resources={"control": 1},
                            pure=False)
     try:
-        actor = future.result(timeout=timeout_s)
+        actor = bind_actor(future.result(timeout=timeout_s), client, future)
     except TimeoutError:
         raise TimeoutError(f"the data-layer actor did not start on the control worker within {timeout_s:.0f}s"
                            ) from None

@@ -24,6 +24,12 @@ Example (a fast and a slow class; per-service throughput then shows up in the ru
     >>> cluster = start_pool_cluster(spec)  # doctest: +SKIP
     >>> cluster.scale_pool(4, "gpu_slow")  # doctest: +SKIP
 
+HTTP: Dask's schedulers and workers always start an HTTP server (its routes: /health, Prometheus /metrics, /info
+pages with worker logs and call stacks, JSON, statics), whatever `dashboard` says; a scheduler without a dashboard
+address takes port 8787, and warns when another Dask holds it. With `cluster.dashboard: false` (the default) this
+cluster's scheduler and workers are `NoHTTPScheduler`/`NoHTTPWorker`: nothing listens but their comm ports. With
+`true`, the scheduler's dashboard is on 127.0.0.1, a free port (`Client.dashboard_link`).
+
 Extending: another hardware class is another `WorkerClass`; nothing branches on its name.
 """
 
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import dask
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 from distributed.core import Status
+from distributed.http.routing import RoutingApplication
 from distributed.utils import NoOpAwaitable
 
 from astratk.rollout.hardware import SimulatedHardware, worker_hardware
@@ -45,11 +52,30 @@ from astratk.spec import SCORE_LABEL, WorkerClass
 if TYPE_CHECKING:
     from astratk.spec import RunSpec
 
-__all__ = ["PoolCluster", "SimulatedHardware", "WorkerClass", "pool_classes", "rollout_labels", "start_pool_cluster",
-           "worker_hardware", "worker_specs"]
+__all__ = ["NoHTTPScheduler", "NoHTTPWorker", "PoolCluster", "SimulatedHardware", "WorkerClass", "pool_classes",
+           "rollout_labels", "start_pool_cluster", "worker_hardware", "worker_specs"]
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 CONTROL = "control"
+
+
+class _NoHTTP:
+    """A Dask server that starts no HTTP server: `dashboard=False` alone leaves Dask's own routes listening (on 8787
+    for a scheduler without a dashboard address). Dask reads `http_application` when it stops its services; an empty
+    one serves nothing, and without `services["dashboard"]` the dashboard link is empty."""
+
+    def start_http_server(self, routes: Any, dashboard_address: Any, default_port: int = 0,
+                          ssl_options: Any = None) -> None:
+        self.http_application = RoutingApplication([])
+
+
+class NoHTTPScheduler(_NoHTTP, Scheduler):
+    """A `distributed.Scheduler` that listens on its comm port only (`cluster.dashboard: false`)."""
+
+
+class NoHTTPWorker(_NoHTTP, Worker):
+    """A `distributed.Worker` that listens on its comm port only (`cluster.dashboard: false`)."""
+
 
 def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
     """The labels a worker needs to serve every policy's rollouts and score them."""
@@ -74,32 +100,39 @@ def worker_gpus(spec: RunSpec) -> list[str]:
     return [cuda_visible_devices(i, gpus) for i in range(len(gpus))]
 
 
-def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int) -> dict[str, Any]:
+def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int,
+                dashboard: bool = False) -> dict[str, Any]:
     resources = dict(labels if wc.resources is None else wc.resources)
     options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": wc.nthreads or nthreads, "resources": resources,
                                "plugins": [SimulatedHardware(wc.name, wc.slowdown)]}
-    if processes:
-        options["silence_logs"] = logging.WARNING  # worker INFO lines would drown the run's progress
-    return {"cls": Nanny if processes else Worker, "options": options}
+    return _worker_spec(options, processes, dashboard)
 
 
-def _control_spec(processes: bool) -> dict[str, Any]:
-    options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": 1, "resources": {CONTROL: 1}}
-    if processes:
-        options["silence_logs"] = logging.WARNING
-    return {"cls": Nanny if processes else Worker, "options": options}
+def _control_spec(processes: bool, dashboard: bool = False) -> dict[str, Any]:
+    return _worker_spec({"host": "127.0.0.1", "nthreads": 1, "resources": {CONTROL: 1}}, processes, dashboard)
+
+
+def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool) -> dict[str, Any]:
+    """A worker in its own process (a nanny starts it, and restarts it if it dies) or in this one; without the
+    dashboard, one that opens no HTTP port."""
+    worker = Worker if dashboard else NoHTTPWorker
+    if not processes:
+        return {"cls": worker, "options": options}
+    # worker INFO lines would drown the run's progress; the nanny builds `worker_class` in the worker's process
+    return {"cls": Nanny, "options": {**options, "silence_logs": logging.WARNING, "worker_class": worker}}
 
 
 def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
     """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
     class of the run's pool."""
     labels = rollout_labels([p.policy_id for p in spec.policies])
-    workers = {CONTROL: _control_spec(processes)}
+    workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard)}
     gpus = worker_gpus(spec)
     for wc in pool_classes(spec):
         for i in range(wc.count):
             workers[f"{wc.name}-{i}"] = spec_i = _class_spec(wc, labels, processes=processes,
-                                                             nthreads=spec.cluster.threads_per_worker)
+                                                             nthreads=spec.cluster.threads_per_worker,
+                                                             dashboard=spec.cluster.dashboard)
             if gpus:  # the nanny sets it in the worker's process before torch can initialise CUDA
                 spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": gpus[i]}
     return workers
@@ -122,7 +155,8 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
     if elastic is None and spec.cluster.autoscale is not None:
         elastic = spec.cluster.autoscale.pool
     elastic = elastic or _default_elastic(classes, labels)
-    templates = {wc.name: _class_spec(wc, labels, processes=processes, nthreads=spec.cluster.threads_per_worker)
+    templates = {wc.name: _class_spec(wc, labels, processes=processes, nthreads=spec.cluster.threads_per_worker,
+                                      dashboard=spec.cluster.dashboard)
                  for wc in classes}
     pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
     pre_spawn.update({k: str(spec.cluster.torch_threads) for k in THREAD_ENV})
@@ -148,9 +182,12 @@ class PoolCluster(SpecCluster):
         self._pre_spawn = pre_spawn_environ
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
         self.gpus = gpus or {}
-        # dashboard off means off: dashboard_address=None alone still tries port 8787 (and warns when it is taken)
-        scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard,
-                                                   "dashboard_address": "127.0.0.1:0" if dashboard else None}}
+        # dashboard off means off: Dask's Scheduler(dashboard=False) still serves its HTTP routes, on 8787 when no
+        # address is given (warning when another Dask holds it); NoHTTPScheduler opens no HTTP port at all
+        scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": True,
+                                                   "dashboard_address": "127.0.0.1:0"}}
+        if not dashboard:
+            scheduler = {"cls": NoHTTPScheduler, "options": {"host": "127.0.0.1", "dashboard": False}}
         super().__init__(workers=workers, scheduler=scheduler, worker=templates[elastic], name="astratk",
                          silence_logs=logging.WARNING)
 

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.dataflow.client import DataLayerClient
+from astratk.dataflow.client import DataLayerClient, bind_actor
 from astratk.records import RunContext
 
 PREFIX = "astratk-deployment-"
+DATALAYER_PREFIX = "astratk-datalayer-"
 
 
 @dataclass
@@ -25,6 +26,12 @@ class DeploymentInfo:
     datalayer: Any  # distributed.Actor of astratk.dataflow.datalayer.DataLayer
     snapshot_url: str | None
     started_at: float
+
+
+def datalayer_dataset(run_id: str) -> str:
+    """The Dask dataset holding the current data-layer actor of run `run_id`'s deployment (`deploy` publishes every
+    replacement there; the handles that travel with rollout chains follow it)."""
+    return DATALAYER_PREFIX + run_id
 
 
 def publish(client: Any, info: DeploymentInfo) -> None:
@@ -49,7 +56,9 @@ def fetch(client: Any, name: str, timeout_s: float = 60.0) -> DeploymentInfo:
     deadline = time.monotonic() + timeout_s
     while True:
         if PREFIX + name in client.list_datasets():
-            return client.get_dataset(PREFIX + name)
+            info = client.get_dataset(PREFIX + name)
+            info.datalayer = bind_actor(info.datalayer, client)  # `client`'s, whether or not it is the default
+            return info
         if time.monotonic() > deadline:
             raise TimeoutError(f"no astratk deployment {name!r} appeared on scheduler {client.scheduler.address} "
                                f"within {timeout_s:.0f}s; running deployments: {names(client) or 'none'} (start one "
@@ -73,5 +82,5 @@ def attach(client: Any, name: str, timeout_s: float = 60.0) -> tuple[DeploymentI
         raise TimeoutError(f"deployment {name!r}: its data layer was lost and no replacement was published within "
                            f"{timeout_s:.0f}s; is the deploying process (`astratk deploy` or the run) alive?")
 
-    handle = DataLayerClient(info.datalayer, recover=follow)
+    handle = DataLayerClient(info.datalayer, recover=follow, published=datalayer_dataset(info.ctx.run_id))
     return info, handle

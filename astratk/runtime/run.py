@@ -102,31 +102,40 @@ class Run:
 
     def _run(self, serve_as: str | None = None) -> RunResult:
         from astratk.runtime.session import Session
-        from astratk.validation import check_gpu_memory
+        from astratk.validation import check_gpu_memory, check_output_dir
 
         spec = self.spec
-        models = self._resolve_models()  # before anything is written: a bad Hub id leaves nothing behind
+        check_output_dir(spec)  # before anything is written: an output_dir that is a file or read-only
+        models = self._resolve_models()  # a bad Hub id or model directory leaves nothing behind, likewise
         check_gpu_memory(spec, trainers_here=serve_as is None)  # shares of a GPU that cannot fit, likewise
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        made = _make_dirs(run_dir)
         from astratk.config import dump_spec
 
         header = "".join(f"# {pid}: Hub {m['repo_id']}@{m['revision']} resolved to {m['directory']}\n"
                          for pid, m in models.items() if m["repo_id"])
-        (run_dir / "config.yaml").write_text(header + dump_spec(spec))
         wall0 = time.time()
+        entered = False  # set-up (the Session's __enter__) done: from then on the run keeps what it wrote
         try:
+            (run_dir / "config.yaml").write_text(header + dump_spec(spec))
             with Session(spec, run_dir, self.print, deployment_name=serve_as) as session:
+                entered = True
                 self.session = session
                 self._ready.set()
                 summary = session.serve() if serve_as else session.train()
+        except BaseException:
+            if not entered:  # a run whose set-up failed leaves nothing behind
+                _remove_dirs(made)
+            raise
         finally:
             self._ready.set()
         summary["wall_time_s"] = time.time() - wall0
         summary["models"] = {pid: {**m, "directory": session.model_paths.get(pid, m["directory"])}
                              for pid, m in models.items()}
         self.result = self._finish(run_dir, session, summary)
+        if session.trainer_error is not None:  # not a known cause: its traceback, once the outputs are written
+            raise session.trainer_error
         return self.result
 
     def _resolve_models(self) -> dict[str, dict[str, Any]]:
@@ -243,9 +252,12 @@ class Run:
                            session.counters, attrs={"name": self.spec.name, **_flat(summary)},
                            services=session.service_rows, drops=session.drops)
         files = {"metrics": save(ds, run_dir / "metrics.nc")}
-        files.update(ds.astra.save(run_dir / "dashboard"))
         files["summary"] = run_dir / "summary.json"
         files["summary"].write_text(json.dumps(summary, indent=2, default=float))
+        try:  # a run that ended early may have too little to plot; its metrics and summary are written already
+            files.update(ds.astra.save(run_dir / "dashboard"))
+        except Exception as e:  # noqa: BLE001 - reported
+            self.print(f"dashboard not written: {type(e).__name__}: {e}")
         self._report(summary, files)
         return RunResult(run_dir, summary, files)
 
@@ -262,6 +274,32 @@ class Run:
           f"{100 * s['data_wait_fraction']:.0f}% of it; whole run {s['wall_time_s']:.0f}s")
         for name, path in files.items():
             p(f"{name:>8}: {path}")
+        if s.get("stopped_early"):
+            p(f"stopped early: {s['stop_reason']}")
+
+
+def _make_dirs(run_dir: Path) -> list[Path]:
+    """Make the run directory and its missing parents; the directories made, innermost first."""
+    made, d = [], run_dir
+    while not d.exists():
+        made.append(d)
+        d = d.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Undo `_make_dirs` after a failed set-up: the run directory and what set-up wrote in it, then each parent made
+    for it that is still empty (another run may have put its own directory there meanwhile)."""
+    import shutil
+
+    if made:
+        shutil.rmtree(made[0], ignore_errors=True)
+    for d in made[1:]:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _flat(d: dict[str, Any]) -> dict[str, Any]:

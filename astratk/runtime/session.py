@@ -63,31 +63,53 @@ class ResumePoint:
 
 def find_resume_point(spec: RunSpec, policy_id: str) -> ResumePoint:
     """The newest checkpoint of `policy_id` under `spec.resume_from` (a run directory) and its
-    matching snapshot; errors name what is missing."""
-    import yaml
+    matching snapshot; errors name what is missing. Reads only, so validation runs it before a run
+    writes anything."""
+    import re
+    import zipfile
 
+    import fsspec
+
+    from astratk.config import read_yaml
     from astratk.dataflow.snapshots import SnapshotStore
 
     given = Path(spec.resume_from).expanduser().resolve()
+    checkpoint = re.compile(r"step=(\d+)\.ckpt")
+    if not given.exists():
+        raise FileNotFoundError(f"resume_from: {str(given)!r} does not exist; give a run directory "
+                                "(runs/<name>-<time>) or one of its checkpoints "
+                                f"(<run dir>/checkpoints/{policy_id}/step=K.ckpt)")
     if given.is_file():  # a checkpoint: <run dir>/checkpoints/<policy>/step=K.ckpt
-        ckpts, old = [given], given.parents[2]
-        if not given.name.startswith("step=") or given.parent.name != policy_id:
+        if (not checkpoint.fullmatch(given.name) or given.parent.name != policy_id
+                or given.parent.parent.name != "checkpoints"):
             raise ValueError(f"resume_from: {given} is not a checkpoint of policy {policy_id!r} "
                              "written by a run (expected "
                              f"<run dir>/checkpoints/{policy_id}/step=K.ckpt)")
+        ckpts, old = [given], given.parents[2]
     else:
         old = given
-        ckpts = sorted((old / "checkpoints" / policy_id).glob("step=*.ckpt"),
-                       key=lambda p: int(p.stem.split("=")[1]))
+        ckpts = sorted((p for p in (old / "checkpoints" / policy_id).glob("step=*.ckpt")
+                        if checkpoint.fullmatch(p.name)), key=lambda p: int(p.stem.split("=")[1]))
     if not ckpts:
         raise FileNotFoundError(f"resume_from: no checkpoints in {old / 'checkpoints' / policy_id};"
                                 " the run must set policies[*].trainer.checkpoint_every")
+    if not zipfile.is_zipfile(ckpts[-1]):  # torch.save's format: a truncated or foreign file is not
+        raise ValueError(f"resume_from: {ckpts[-1]} is not a trainer checkpoint torch can load "
+                         "(truncated, or another kind of file); resume from an earlier one")
     step = int(ckpts[-1].stem.split("=")[1])
     config = old / "config.yaml"
-    saved = yaml.safe_load(config.read_text()) if config.exists() else {}
+    saved = read_yaml(config) if config.exists() else {}
+    if not isinstance(saved, dict):
+        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+            f"resume_from: {config} is not a run's config (a mapping of RunSpec fields), it holds "
+            f"a {type(saved).__name__}")
     store_url = (saved.get("weights") or {}).get("url") or str(old / "weights")
     snapshot = (saved.get("dataflow") or {}).get("snapshot") or {}
     snapshot_url = snapshot.get("url") or str(old / "datalayer")
+    fs, root = fsspec.core.url_to_fs(snapshot_url)
+    if not fs.exists(f"{root}/index.json"):  # SnapshotStore would make the directory: look first
+        raise FileNotFoundError(f"resume_from: no data-layer snapshots at {snapshot_url} (no "
+                                "index.json); a checkpoint resumes with the snapshot its run wrote")
     entry = SnapshotStore(snapshot_url).at_checkpoint(policy_id, step)
     return ResumePoint(ckpts[-1], step, store_url, snapshot_url, entry.name)
 
@@ -135,6 +157,7 @@ class Session:
         self.model_paths: dict[str, str] = {}
         self.resume_point: ResumePoint | None = None  # with resume_from (one policy only)
         self.stream: Any = None  # the in-process trainer's GroupStream (single-policy runs)
+        self.trainer_error: BaseException | None = None  # what the in-process trainer raised, if it did
         # per policy: the groups its trainer trained on, in order
         self.group_ids: dict[str, list[str]] = {}
         self.state = "starting"  # starting | training | paused | finished | failed
@@ -143,6 +166,14 @@ class Session:
 
     # --------------------------------------------------------------------------------- set-up
     def __enter__(self) -> Session:  # noqa: PYI034 - typing.Self needs Python 3.11
+        try:
+            return self._set_up()
+        except BaseException:
+            # `with` runs no __exit__ when __enter__ raises: close what set-up started (a cluster, a deployment)
+            self.__exit__(None, None, None)
+            raise
+
+    def _set_up(self) -> Session:
         from astratk.records import RunContext
         from astratk.rollout.service import _quiet_transformers
 
@@ -218,7 +249,9 @@ class Session:
 
             self.cluster = cluster = start_local_cluster(spec, processes=spec.cluster.processes)
             self._on_exit(cluster.close)
-            self.client = Client(cluster)
+            # Not the process's default client: several runs may share a process (a notebook), and a default
+            # client changes Dask's process-wide scheduler setting, which closing it restores to a stale value
+            self.client = Client(cluster, set_as_default=False)
             if spec.cluster.autoscale is not None:
                 from astratk.runtime.autoscale import WaitFractionAdaptive, WaitFractionMonitor
 
@@ -321,7 +354,10 @@ class Session:
         """The run, the same for every policy: evaluate the first version; build the trainers
         (`trainers()`); fit them while acquisition and periodic evaluation go on; stop both;
         evaluate the last version; collect each policy's step rows, groups and evaluations and the
-        run's counters; summarise."""
+        run's counters; summarise. A fit that ends early (a starved stream, a diverged policy, an
+        exception in the trainer) still reaches the end: its `stop_reason` goes into the summary,
+        and an exception is kept in `trainer_error` for the run to raise once its outputs are
+        written."""
         self.state = "training"
         try:
             base = self.evaluator.evaluate(self._first_version())
@@ -335,7 +371,9 @@ class Session:
                 train_time = time.time() - t0
                 self.evaluator.stop()
                 self.deployment.acquisition.stop()
-            final = self.evaluator.evaluate()
+            errors = [res.pop("error") for res in results.values() if res.get("error") is not None]
+            self.trainer_error = errors[0] if errors else None
+            final = self._final_evaluation()
             self._collect(results)
             summary = self._summary(base, final, train_time, results)
         except BaseException:
@@ -343,6 +381,17 @@ class Session:
             raise
         self.state = "finished"
         return summary
+
+    def _final_evaluation(self) -> dict[str, float]:
+        """The last version's held-out evaluation; a failed one is recorded with accuracy NaN, so
+        that the run still writes what it gathered."""
+        try:
+            return self.evaluator.evaluate()
+        except Exception as e:  # noqa: BLE001 - reported; the run's outputs matter more
+            self.print(f"held-out evaluation of the last version failed: {e}")
+            latest = self.deployment.store.latest(self.spec.policies[0].policy_id)
+            return {"version": float(latest.version if latest else 0), "accuracy": float("nan"),
+                    "n": 0.0, "error": 1.0, "evaluated_at": time.time(), "train_time_s": float("nan")}
 
     def _first_version(self) -> int:
         """The version training starts from: 0, or the resume point's step (a version per step)."""
@@ -486,6 +535,7 @@ class Session:
             "data_wait_s": head["data_wait_s"],
             "data_wait_fraction": head["data_wait_s"] / max(train_time, 1e-9),
             "n_heldout": int(base["n"]),
+            **_stop_summary(self.spec, results),
         }
         if len(self.spec.policies) > 1:
             for p in self.spec.policies:
@@ -501,3 +551,14 @@ class Session:
                 f"{pid}_accuracy_before": ok[0]["accuracy"] if ok else float("nan"),
                 f"{pid}_accuracy_after": ok[-1]["accuracy"] if ok else float("nan"),
                 f"{pid}_data_wait_s": result["data_wait_s"]}
+
+
+def _stop_summary(spec: RunSpec, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`stopped_early` (whether a trainer ended before its last step for a reason other than its
+    time limit or a stop asked for), `stop_reason` (why, in words; the first policy's that has one)
+    and `skipped_steps` (optimiser steps the divergence guard skipped, over every policy)."""
+    reasons = [results[p.policy_id].get("stop_reason") for p in spec.policies if p.policy_id in results]
+    reason = next((r for r in reasons if r), None)
+    skipped = sum(int(res["rows"][-1].get(f"train/{pid}/skipped_steps", 0)) for pid, res in results.items()
+                  if res["rows"])
+    return {"stopped_early": reason is not None, "stop_reason": reason, "skipped_steps": skipped}

@@ -13,7 +13,13 @@ def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.
 
     from astratk.dataflow.client import DataLayerClient
     from astratk.runtime import registry
+    from astratk.runtime.cluster import dask_config_has_tls
 
+    if scheduler.startswith("tls://") and security is None and not dask_config_has_tls():
+        # distributed would fail deep in its TLS connector with a TypeError
+        raise ValueError(f"{scheduler} is a TLS scheduler and no certificates were given: pass --config RUN.yaml "
+                         "whose cluster.tls names them (ca_file, cert, key), or set Dask's "
+                         "DASK_DISTRIBUTED__COMM__TLS__CA_FILE, __CLIENT__CERT and __CLIENT__KEY (docs/cluster.md)")
     try:
         client = Client(scheduler, timeout=timeout_s, security=security)  # the default client: fetched actors
         #   call through it; security: the run config's cluster.tls (else Dask's config)

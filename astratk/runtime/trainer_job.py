@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from astratk.spec import StartError
 from astratk.training import build
 from astratk.training._pl import pl
 from astratk.training.data import GroupStream, RolloutDataModule
@@ -38,42 +39,89 @@ from astratk.training.module import PolicyModule
 _CLIENTS: dict[str | None, Any] = {}
 
 
-def _client(scheduler: str | None, spec: Any, timeout_s: float = 60.0) -> Any:
+def _client(scheduler: str | None, spec: Any, timeout_s: float | None = None) -> Any:
     """One Dask client per scheduler in this process (None: the run config's
     `cluster.scheduler_address`, else the current default client), with the run config's
-    `cluster.tls` certificates."""
+    `cluster.tls` certificates, waiting at most `timeout_s` (None: `cluster.startup_timeout_s`).
+    A scheduler it cannot reach is a `StartError` naming the address (one line from the CLI)."""
     from distributed import Client, default_client
 
-    from astratk.runtime.cluster import security
+    from astratk.runtime.cluster import dask_config_has_tls, security
 
+    timeout_s = spec.cluster.startup_timeout_s if timeout_s is None else timeout_s
     scheduler = scheduler or spec.cluster.scheduler_address
     if scheduler is None:
-        return default_client()
+        try:
+            return default_client()
+        except ValueError:
+            raise StartError("--scheduler: give the Dask scheduler's address (tcp://host:8786), or "
+                             "cluster.scheduler_address in the run config") from None
     if scheduler not in _CLIENTS:
-        # The default client: actors fetched from a dataset find their client through it.
-        _CLIENTS[scheduler] = Client(scheduler, timeout=timeout_s, security=security(spec))
+        sec = security(spec)
+        if scheduler.startswith("tls://") and sec is None and not dask_config_has_tls():
+            raise StartError(f"--scheduler {scheduler} is a TLS scheduler but the run config has no "
+                             "cluster.tls certificates (nor Dask's TLS config); set cluster.tls: "
+                             "{ca_file, cert, key} in the run config (docs/cluster.md)")
+        try:
+            # The default client: actors fetched from a dataset find their client through it.
+            _CLIENTS[scheduler] = Client(scheduler, timeout=timeout_s, security=sec)
+        except OSError as e:  # refused, timed out, TLS handshake: distributed raises OSErrors
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise StartError(f"--scheduler: cannot reach the Dask scheduler at {scheduler} within "
+                             f"{timeout_s:.0f}s (cluster.startup_timeout_s): {reason}; is it running, "
+                             "and reachable from here?") from None
     return _CLIENTS[scheduler]
 
 
 def _policy_spec(run_config: str, policy_id: str) -> Any:
+    """The run config, checked, and holding `policy_id`; a `StartError` naming the file or key
+    otherwise."""
     from astratk.config import load_spec
 
-    spec = load_spec(run_config, [])
-    spec.policy(policy_id)  # KeyError naming the policies when it is not one of them
+    try:
+        spec = load_spec(run_config, [])
+    except (ValueError, FileNotFoundError) as e:
+        raise StartError(f"--run_config {run_config}: {e}") from None
+    if policy_id not in [p.policy_id for p in spec.policies]:
+        raise StartError(f"--policy_id: {run_config} has no policy {policy_id!r}; its policies are "
+                         f"{[p.policy_id for p in spec.policies]}")
     return spec
+
+
+def check_job(flags: dict[str, str]) -> None:
+    """`astratk train fit`'s front door, before Lightning starts: the `--run_config` given parses
+    and holds `--policy_id`, and the scheduler (`--scheduler`, else the config's) answers within
+    `cluster.startup_timeout_s` (the client is kept for the job). A `StartError` otherwise; flags
+    not on the command line (in a `--config` file) are checked as the job builds its classes."""
+    if "--run_config" not in flags:
+        return
+    spec = _policy_spec(flags["--run_config"], flags.get("--policy_id", "main"))
+    if flags.get("--scheduler") or spec.cluster.scheduler_address:
+        _client(flags.get("--scheduler"), spec)
+
+
+def _fetch(client: Any, deployment: str, timeout_s: float, attach: bool = False) -> Any:
+    """The deployment's registry entry (`attach`: and a data-layer handle); one that does not
+    appear is a `StartError` naming it."""
+    from astratk.runtime import registry
+
+    try:
+        return (registry.attach if attach else registry.fetch)(client, deployment, timeout_s)
+    except TimeoutError as e:
+        raise StartError(f"--deployment: {e}") from None
 
 
 class DeployedPolicy(PolicyModule):
     """`PolicyModule` built from a run config's policy and the deployment's model directory."""
 
     def __init__(self, run_config: str, policy_id: str = "main", deployment: str = "run",
-                 scheduler: str | None = None, attach_timeout_s: float = 120.0) -> None:
-        from astratk.runtime import registry
-
+                 scheduler: str | None = None, attach_timeout_s: float | None = None) -> None:
         spec = _policy_spec(run_config, policy_id)
+        # None: the run config's cluster.startup_timeout_s, for the scheduler and the deployment
+        attach_timeout_s = spec.cluster.startup_timeout_s if attach_timeout_s is None else attach_timeout_s
         torch.set_num_threads(spec.cluster.torch_threads)
         client = _client(scheduler, spec, attach_timeout_s)
-        info = registry.fetch(client, deployment, attach_timeout_s)
+        info = _fetch(client, deployment, attach_timeout_s)
         super().__init__(info.ctx.model_paths[policy_id], **build.module_args(spec, policy_id))
         self.spec = spec
 
@@ -82,11 +130,13 @@ class DeploymentData(RolloutDataModule):
     """The policy's step batches from the deployment's data layer (rank-sharded under DDP)."""
 
     def __init__(self, run_config: str, policy_id: str = "main", deployment: str = "run",
-                 scheduler: str | None = None, attach_timeout_s: float = 120.0) -> None:
+                 scheduler: str | None = None, attach_timeout_s: float | None = None) -> None:
         pl.LightningDataModule.__init__(self)
         self.run_config, self.policy_id, self.deployment = run_config, policy_id, deployment
-        self.scheduler, self.attach_timeout_s = scheduler, attach_timeout_s
         self.spec = _policy_spec(run_config, policy_id)
+        self.scheduler = scheduler
+        self.attach_timeout_s = (self.spec.cluster.startup_timeout_s if attach_timeout_s is None
+                                 else attach_timeout_s)
         self.stream: GroupStream | None = None  # type: ignore[assignment]
         self.info: Any = None
         self._start_step = 0
@@ -94,10 +144,8 @@ class DeploymentData(RolloutDataModule):
     def setup(self, stage: str) -> None:
         if self.stream is not None:
             return
-        from astratk.runtime import registry
-
         client = _client(self.scheduler, self.spec, self.attach_timeout_s)
-        self.info, handle = registry.attach(client, self.deployment, self.attach_timeout_s)
+        self.info, handle = _fetch(client, self.deployment, self.attach_timeout_s, attach=True)
         trainer = self.trainer
         # --trainer.max_steps on the command line wins over the policy's trainer.max_steps.
         max_steps = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
@@ -120,12 +168,14 @@ class DeploymentData(RolloutDataModule):
 
 class DeploymentCallbacks(pl.Callback):
     """The policy's callbacks (`build.callbacks`) and its steps.json file, built once the data
-    module has attached (they need its stream and the deployment's weight store)."""
+    module has attached (they need its stream and the deployment's weight store). steps.json is
+    written however the fit ends: with its `stop_reason` when it ended early, an exception's too."""
 
     def __init__(self, printer: Any = print) -> None:
         self.printer = printer
         self.inner: list[pl.Callback] = []
         self.recorder: Any = None
+        self.result: dict[str, Any] | None = None  # what steps.json holds, once written
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.inner:
@@ -145,6 +195,10 @@ class DeploymentCallbacks(pl.Callback):
         for cb in self.inner:
             cb.setup(trainer, pl_module, stage)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for cb in self.inner:
+            cb.teardown(trainer, pl_module, stage)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for cb in self.inner:
             cb.on_train_start(trainer, pl_module)
@@ -153,15 +207,45 @@ class DeploymentCallbacks(pl.Callback):
         for cb in self.inner:
             cb.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        for cb in self.inner:
+            cb.on_before_optimizer_step(trainer, pl_module, optimizer)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         for cb in self.inner:
             cb.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_steps(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner callbacks' checkpoint state (the divergence guard's), by class name. Lightning restores it
+        after `setup`, once they exist."""
+        return {type(cb).__qualname__: state for cb in self.inner if (state := cb.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for cb in self.inner:
+            if type(cb).__qualname__ in state_dict:
+                cb.load_state_dict(state_dict[type(cb).__qualname__])
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._write_steps(trainer, exception)
+
+    def _write_steps(self, trainer: pl.Trainer, error: BaseException | None = None) -> None:
         if trainer.is_global_zero and self.recorder is not None:
             out = Path(trainer.default_root_dir) / "steps.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(build.fit_result(self.recorder)))
+            self.result = build.fit_result(self.recorder, error)
+            out.write_text(json.dumps(self.result))
+
+
+def job_summary(cli: Any) -> dict[str, Any]:
+    """`stopped_early` and `stop_reason` (`build.fit_result`) of the fit a `train_cli` ran (the CLI
+    exits non-zero, naming the reason, when it ended early)."""
+    callbacks = getattr(getattr(cli, "trainer", None), "callbacks", [])
+    reason = next((cb.result.get("stop_reason") for cb in callbacks
+                   if isinstance(cb, DeploymentCallbacks) and cb.result is not None), None)
+    return {"stopped_early": reason is not None, "stop_reason": reason}
 
 
 def trainer_defaults(ts: Any) -> dict[str, tuple[Any, Any]]:

@@ -2,8 +2,10 @@
 
 Each process attaches to the run's deployment by name through the Dask scheduler (`astratk.runtime.registry`),
 trains its policy with the run config's `trainer:` section and writes its step rows to
-`<run dir>/trainers/<policy>/steps.json`. Output lines are relayed prefixed with the policy. If one trainer fails, the
-others are stopped and the error names the policy and ends with its last output lines.
+`<run dir>/trainers/<policy>/steps.json`. Output lines are relayed prefixed with the policy. If one trainer ends early
+(a non-zero exit: it starved, diverged or failed), the others are asked to stop after their current step, and the
+run goes on to write what every trainer gathered, with the early one's `stop_reason` (its own, or its exit code and
+last output line).
 """
 
 from __future__ import annotations
@@ -64,17 +66,18 @@ class TrainerProcesses:
             if line.startswith("[") and " step " in line:  # the trainer's progress lines
                 self.print(f"{pid:>10} | {line}")
 
-    def wait(self) -> dict[str, dict[str, Any]]:
-        """Block until every trainer exits; their results. A failure stops the others and raises."""
+    def wait(self, grace_s: float = 30.0) -> dict[str, dict[str, Any]]:
+        """Block until every trainer exits; their results (`build.fit_result`). One that ends early
+        (module docstring) stops the others: a STOP file each, then `stop()` after `grace_s`."""
+        early, stopped = None, []
         try:
             while True:
                 codes = {pid: proc.poll() for pid, proc in self.procs.items()}
-                failed = [pid for pid, code in codes.items() if code not in (None, 0)]
-                if failed:
-                    pid = failed[0]
-                    tail = "\n".join(self.tails[pid])
-                    raise RuntimeError(f"the trainer of policy {pid!r} exited with code {codes[pid]}; its last "
-                                       f"output:\n{tail}")
+                early = next((pid for pid, code in codes.items() if code not in (None, 0)), None)
+                if early is not None:
+                    stopped = [pid for pid, code in codes.items() if code is None]
+                    self._ask_to_stop(stopped, grace_s)
+                    break
                 if all(code == 0 for code in codes.values()):
                     break
                 time.sleep(0.5)
@@ -82,13 +85,31 @@ class TrainerProcesses:
             self.stop()
         for relay in self._relays:
             relay.join(5)
-        return {pid: self._result(pid) for pid in self.procs}
+        results = {pid: self._result(pid) for pid in self.procs}
+        for pid in stopped:  # stopped by us: the reason is the early one's
+            results[pid]["stop_reason"] = None
+        if early is not None and not results[early].get("stop_reason"):
+            last = next((line for line in reversed(self.tails[early]) if line.strip()), "(no output)")
+            results[early]["stop_reason"] = (f"the trainer of policy {early!r} exited with code "
+                                             f"{self.procs[early].returncode}; its last output: {last.strip()}")
+        return results
+
+    def _ask_to_stop(self, pids: list[str], grace_s: float) -> None:
+        """Trainers `pids` finish their current step and exit (STOP files), for up to `grace_s` seconds."""
+        for pid in pids:
+            (trainer_dir(self.run_dir, pid) / "STOP").touch()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(self.procs[pid].poll() is None for pid in pids):
+            time.sleep(0.5)
 
     def _result(self, pid: str) -> dict[str, Any]:
+        """What the trainer of `pid` wrote to steps.json; without one (it died before), no steps."""
         path = trainer_dir(self.run_dir, pid) / "steps.json"
         if not path.exists():
-            raise RuntimeError(f"the trainer of policy {pid!r} exited without writing {path}; last output:\n"
-                               + "\n".join(self.tails[pid]))
+            last = next((line for line in reversed(self.tails[pid]) if line.strip()), "(no output)")
+            return {"rows": [], "data_wait_s": 0.0, "group_ids": [],
+                    "stop_reason": f"the trainer of policy {pid!r} exited without writing {path}; its last "
+                                   f"output: {last.strip()}"}
         return json.loads(path.read_text())
 
     def run(self) -> dict[str, dict[str, Any]]:

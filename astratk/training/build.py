@@ -149,15 +149,22 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     layer), record each step's metrics (plus what `extra()` returns), stop after the step in which
     `stop_file` appears and, when the spec asks for progress and `progress` is true, print a
     progress line (plus what `status()` returns), and cap the process's share of its GPU at
-    `trainer.gpu_memory_fraction` when set. The publisher comes before the recorder, so a step's
-    row holds its publication's metrics."""
+    `trainer.gpu_memory_fraction` when set. With `trainer.divergence` set, a guard skips (and does
+    not publish) steps whose loss or gradient norm is not finite or spikes, and stops the run after
+    `max_skips` of them in a row. The publisher comes before the recorder, so a step's row holds
+    its publication's metrics."""
+    from astratk.training.divergence import DivergenceGuard
     from astratk.training.publish import WeightPublisher
     from astratk.training.recorder import ProgressPrinter, StopFile
 
     recorder = StepRecorder(stream, extra=extra)
-    every = spec.policy(policy_id).trainer.publish_every
-    out: list[pl.Callback] = [WeightPublisher(store, stream.datalayer, policy_id, every), recorder,
-                              StopFile(stop_file)]
+    ts = spec.policy(policy_id).trainer
+    publisher = WeightPublisher(store, stream.datalayer, policy_id, ts.publish_every,
+                                publish_skipped=spec.dataflow.synchronous)
+    out: list[pl.Callback] = [publisher, recorder, StopFile(stop_file)]
+    if ts.divergence is not None:
+        out.append(DivergenceGuard(ts.divergence, policy_id, recorder,
+                                   printer=printer if spec.progress and progress else None))
     if spec.progress and progress:
         out.append(ProgressPrinter(recorder, status, printer=printer))
     if (fraction := spec.policy(policy_id).trainer.gpu_memory_fraction) is not None:
@@ -175,12 +182,18 @@ def loggers(ts: TrainerSpec, root: str | Path) -> Any:
     return make_loggers(ts.loggers, Path(root), "lightning") or False
 
 
-def fit_result(recorder: StepRecorder) -> dict[str, Any]:
+def fit_result(recorder: StepRecorder, error: BaseException | None = None) -> dict[str, Any]:
     """What a finished fit reports to the run, in process or through a trainer job's steps.json:
-    every step's metrics row, the seconds spent waiting for data, the groups trained on in order."""
+    every step's metrics row, the seconds spent waiting for data, the groups trained on in order,
+    and `stop_reason`: why it ended before its last step, in words (the stream starved, training
+    diverged, or `error`, an exception the fit raised), None when it did not."""
     stream = recorder.stream
+    reason = recorder.stop_reason or stream.stop_reason
+    if error is not None:
+        reason = (f"the trainer failed after {len(recorder.rows)} step(s): "
+                  f"{type(error).__name__}: {' '.join(str(error).split())}")
     return {"rows": recorder.rows, "data_wait_s": stream.total_wait_s,
-            "group_ids": stream.group_ids}
+            "group_ids": stream.group_ids, "stop_reason": reason}
 
 
 @dataclass(frozen=True)
@@ -197,8 +210,14 @@ class PolicyTrainer:
         return self.datamodule.stream
 
     def fit(self, ckpt_path: str | Path | None = None) -> dict[str, Any]:
-        self.trainer.fit(self.module, datamodule=self.datamodule,
-                         ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
+        """Train; `fit_result`. An exception the fit raises does not lose the steps before it: the
+        result keeps them, with the failure as `stop_reason` and the exception under `error` (the
+        run writes its outputs, then raises it)."""
+        try:
+            self.trainer.fit(self.module, datamodule=self.datamodule,
+                             ckpt_path=str(ckpt_path) if ckpt_path is not None else None)
+        except Exception as e:  # noqa: BLE001 - reported with the steps gathered so far
+            return {**fit_result(self.recorder, e), "error": e}
         return fit_result(self.recorder)
 
 

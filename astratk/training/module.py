@@ -59,6 +59,7 @@ from astratk.spec import LoraSpec, TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.aggregation import aggregate
 from astratk.training.collate import micro_batches, place_rows, select_rows
+from astratk.training.data import EndOfStream
 from astratk.training.logprobs import PolicyForward, policy_forward, token_logprobs
 from astratk.training.regularizers import check_kl_estimator
 from astratk.training.sharding import (
@@ -133,6 +134,8 @@ class PolicyModule(pl.LightningModule):
         self.horizon = horizon
         self.policy_version = 0  # the version of the weights being trained from; set by the publish callback
         self.step_metrics: dict[str, float] = {}  # last step's metrics, read by callbacks (progress, recorder)
+        # the divergence guard discarded this step's update (`astratk.training.divergence`): nothing to publish
+        self.step_skipped = False
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The HF model's state (keys as in the saved model directory), detached copies for publication; with LoRA,
@@ -203,6 +206,12 @@ class PolicyModule(pl.LightningModule):
         metrics["micro_batches"] = float(len(chunks))
         self._record(batch, self._loss_value(loss), metrics)
         return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """-1 (Lightning: end the epoch, and so the fit, whose `should_stop` is set) when the data stream ended
+        instead of giving this step a batch (`astratk.training.data.EndOfStream`)."""
+        self.step_skipped = False
+        return -1 if isinstance(batch, EndOfStream) else None
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """A no-op: `training_step` zeroes the gradients when it starts. Lightning calls this hook after

@@ -11,12 +11,14 @@ from astratk.training._pl import pl
 
 
 class StepRecorder(pl.Callback):
-    """Keeps every step's metrics with its wall-clock time and the time the trainer waited for data."""
+    """Keeps every step's metrics with its wall-clock time and the time the trainer waited for data, and why the fit
+    was stopped before its last step when a callback stopped it (`stop_reason`: the divergence guard's)."""
 
     def __init__(self, stream: Any, extra: Callable[[], dict[str, float]] | None = None) -> None:
         self.stream = stream
         self.extra = extra
         self.rows: list[dict[str, float]] = []
+        self.stop_reason: str | None = None
         self.t0: float | None = None
         self._step_start = 0.0
 

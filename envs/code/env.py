@@ -16,8 +16,10 @@ metrics, for callers that record them. Extending: another problem source only ha
 
 Scoring metrics (`score_details`, and `CodeScore.metrics`): tests passed/total, timeouts, errors, whether code was
 found, the isolation used (`code/isolation_bwrap` 1.0 or 0.0; `CodeScore.isolation` has the name), whether the run had
-a uid of its own (`code/own_uid`), a cgroup capping its total memory and process count (`code/cgroup`) and a network
-namespace of its own (`code/own_network`), whether the run was killed at its memory or output cap, sandbox seconds. A sandbox that failed before the harness started (a broken install, not the
+a uid of its own (`code/own_uid`), a cgroup capping its total memory and process count (`code/cgroup`), private temp
+dirs and IPC (`code/own_mounts`: nothing it left in /tmp, /var/tmp, /dev/shm outlives it), no socket reaching outside
+it (`code/own_network`: own network namespace, no host Unix socket reachable), whether the run was killed at its
+memory or output cap, sandbox seconds. A sandbox that failed before the harness started (a broken install, not the
 program) gives reward None, which the rollout service counts and drops.
 
 Example:
@@ -350,7 +352,7 @@ def _grade_result(tests: Sequence[dict[str, Any]], result: SandboxResult, tag: s
                "code/sandbox_s": result.wall_s, "code/tampered": float(tampered),
                "code/output_limit": float(result.killed_by == "output_limit"),
                "code/memory_limit": float(result.killed_by == "memory_limit"), "code/cgroup": float(result.cgroup),
-               "code/own_network": float(result.own_network)}
+               "code/own_network": float(result.own_network), "code/own_mounts": float(result.own_mounts)}
     # no start line and no timeout: the sandbox or interpreter failed before any of the program ran
     reward = None if not started and not result.timed_out and not tampered else passed / n
     metrics["code/infra_error"] = float(reward is None)

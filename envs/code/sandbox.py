@@ -6,17 +6,28 @@ names the one used (`isolation`), so weaker containment is never silent:
 | | `bwrap` (bubblewrap, `apt-get install -y bubblewrap`) | `process` (fallback) |
 |---|---|---|
 | process | own pid namespace; killing it kills every descendant | own session; descendants swept by uid |
-| network | own empty network namespace (no interfaces but lo) | as root, own network namespace (`unshare --net`: lo only, down); otherwise the host's (`own_network`) |
-| files | read-only /usr, /etc; tmpfs / , /tmp and cwd `/sandbox` (size-capped); nothing else of the host | the host's files, as an unprivileged uid; cwd is a fresh host temp dir |
+| network | own empty network namespace (no interfaces but lo) | own network namespace where one can be made (`namespaces.py`: as root, or through a user namespace); otherwise the host's |
+| IPC | own IPC namespace | own IPC namespace with the mounts below; otherwise the host's, and what the run's uid left there is removed |
+| files | read-only /usr, /etc; tmpfs / , /tmp and cwd `/sandbox` (size-capped); nothing else of the host | the host's files, as an unprivileged uid, with private /tmp, /var/tmp, /dev/shm (one tmpfs of `max_disk_mb`) and an empty /run where a mount namespace can be made (`own_mounts`), cwd `/run/sandbox` (a fresh host dir, bound); otherwise the host's /tmp etc., and what the run's uid left in them is removed after the run (`uids.sweep_files`) |
 | environment | empty except PATH, HOME, LANG | same |
 | limits | rlimits: CPU, address space, file size, open files, no core; processes (RLIMIT_NPROC) | same |
-| whole run | a cgroup of its own where the machine allows (`cgroup`): total memory, tmpfs included, and process count | same, without tmpfs |
+| whole run | a cgroup of its own where the machine allows (`cgroup`): total memory, tmpfs included, and process count | same |
+
+What results report, so weaker containment is never silent: `isolation`, `own_uid`, `cgroup` (below), `own_mounts`
+(nothing the run writes to /tmp, /var/tmp, /dev/shm or SysV IPC outlives it or is seen by another run) and
+`own_network`: the run could open no connection to anything outside it. That takes a network namespace of its own (no
+route anywhere; the host's abstract Unix sockets are another namespace's) *and* no host Unix socket bound to a path
+the run can see and write, which a network namespace does not hide (`namespaces.reachable_sockets`, checked as the
+run starts: bwrap sees only the read-only system directories; the process fallback sees all of the host's files but its
+private directories, so a world-writable socket elsewhere makes its runs report `own_network` False;
+`Sandbox.reachable_sockets()` lists them).
 
 Why an unprivileged uid: everything here may run as root, and RLIMIT_NPROC does not bind root. So as
 root each run drops to a uid of its own (`uid_base` + slot, leased through a lock file, so concurrent runs, in this or
 another process, never share a process count), and its process limit then binds. bwrap runs without a user namespace
 for the same reason: inside a user namespace the processes would still be kernel uid 0, which RLIMIT_NPROC exempts.
-Without root no uid can be dropped: `own_uid` is then False and a fork bomb is stopped only by the wall clock.
+Without root no uid can be dropped: `own_uid` is then False and a fork bomb is stopped only by the wall clock (the
+process fallback then takes its namespaces through a user namespace, where the kernel allows one: `namespaces.py`).
 
 The interpreter: the host's `sys.executable` often lives in a virtual environment under a directory the sandbox cannot
 see (and should not: it holds the trainer's packages). By default programs run under `/usr/bin/python3` (Debian's;
@@ -58,7 +69,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -66,7 +76,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from astratk.envs.code import cgroup as cgroups
-from astratk.envs.code import uids
+from astratk.envs.code import namespaces, uids
 
 Isolation = Literal["auto", "bwrap", "process"]
 WORKDIR = "/sandbox"  # the program's cwd inside bwrap (a tmpfs); named so it cannot be mistaken for a host path
@@ -94,7 +104,9 @@ class SandboxResult:
     own_uid: bool  # ran as a uid of its own, so the process limit bound (False only when not started as root)
     wall_s: float
     cgroup: bool  # a cgroup of its own capped the run's total memory and process count
-    own_network: bool  # a network namespace of its own (bwrap always; process mode as root with unshare)
+    own_network: bool  # nothing outside the run reachable by any socket: a network namespace of its own and no host
+    #                    Unix socket the run could see and write when it started (module docstring)
+    own_mounts: bool  # private /tmp, /var/tmp, /dev/shm and IPC: nothing it left there outlives the run
 
     @property
     def ok(self) -> bool:
@@ -105,7 +117,8 @@ class Sandbox:
     """Limits are per run; `cpu_s` and `memory_mb` are per process (rlimits), `max_procs` per run (own uid and, where
     one can be made, the run's cgroup), `run_memory_mb` (default `memory_mb`) per run (the cgroup).
 
-    `max_disk_mb` sizes each tmpfs (cwd and /tmp) in bwrap mode; in process mode only `max_file_mb` bounds files.
+    `max_disk_mb` sizes each tmpfs (cwd and /tmp) in bwrap mode, and in process mode the one behind its private /tmp,
+    /var/tmp and /dev/shm; its cwd is a host directory, where only `max_file_mb` bounds files.
     `cgroup`: None uses one where the machine allows, True requires one, False never makes one (the RAM guard applies).
     """
 
@@ -144,11 +157,15 @@ class Sandbox:
             raise ValueError(f"cgroup=True but no cgroup can be made here: {why}; pass cgroup=None to use the RAM "
                              "guard instead")
         self.cgroup = self._layout is not None
-        self.own_network = self.isolation == "bwrap" or netns_available()
+        # what the process fallback can get here (bwrap makes its own); results say what each run had
+        self._ns = namespaces.probe() if self.isolation == "process" else None
+        self.netns = self._ns is None or self._ns.net  # runs get a network namespace of their own
+        self.own_mounts = self._ns is None or self._ns.mounts  # ... and private /tmp, /var/tmp, /dev/shm, /run, IPC
         self._check_memory_bound(why)
 
     def __repr__(self) -> str:
-        return (f"Sandbox(isolation={self.isolation!r}, cgroup={self.cgroup}, cpu_s={self.cpu_s}, "
+        return (f"Sandbox(isolation={self.isolation!r}, cgroup={self.cgroup}, netns={self.netns}, "
+                f"own_mounts={self.own_mounts}, cpu_s={self.cpu_s}, "
                 f"wall_s={self.wall_s}, memory_mb={self.memory_mb}, run_memory_mb={self.run_memory_mb}, "
                 f"max_procs={self.max_procs}, python={self.python!r})")
 
@@ -164,7 +181,7 @@ class Sandbox:
         if self.cgroup and self.run_memory_mb > cap:
             raise ValueError(f"run_memory_mb={self.run_memory_mb} is over {RAM_SHARE:.0%} of this machine's "
                              f"{ram_mb} MB; pass run_memory_mb <= {cap}")
-        tmpfs = 2 * self.max_disk_mb if self.isolation == "bwrap" else 0
+        tmpfs = 2 * self.max_disk_mb if self.isolation == "bwrap" else self.max_disk_mb if self.own_mounts else 0
         guarded = not self.cgroup and os.geteuid() == 0
         if guarded and not self._procs_given:  # the default adapts; a value the caller gave is never lowered
             self.max_procs = max(1, min(self.max_procs, (cap - tmpfs) // self.memory_mb))
@@ -190,9 +207,24 @@ class Sandbox:
         wall = self.wall_s if wall_s is None else wall_s
         cpu = self.cpu_s if cpu_s is None else cpu_s
         with uids.lease(self.uid_base, self.uid_slots) as uid, self._run_cgroup() as cg:
+            own_network = self.netns and not self._reachable_sockets(uid)
             if self.isolation == "bwrap":
-                return self._run_bwrap(files, stdin, args, wall, cpu, uid, cg)
-            return self._run_process(files, stdin, args, wall, cpu, uid, cg)
+                return self._run_bwrap(files, stdin, args, wall, cpu, uid, cg, own_network)
+            return self._run_process(files, stdin, args, wall, cpu, uid, cg, own_network)
+
+    def reachable_sockets(self) -> list[str]:
+        """Host Unix sockets bound to a path a run could connect to now (why runs report `own_network` False when
+        they have a network namespace): every run uid has the same rights on them, so `uid_base`'s are checked."""
+        return self._reachable_sockets(self.uid_base if os.geteuid() == 0 else None)
+
+    def _reachable_sockets(self, uid: int | None) -> list[str]:
+        if self.isolation == "bwrap":
+            view = tuple(os.path.realpath(d) for d in _SYSTEM_DIRS) + tuple(filter(None, [_prefix_of(self.python)]))
+            return namespaces.reachable_sockets(uid, lambda p: namespaces.under(p, view))
+        if self.own_mounts:
+            hidden = namespaces.private_dirs()
+            return namespaces.reachable_sockets(uid, lambda p: not namespaces.under(p, hidden))
+        return namespaces.reachable_sockets(uid, lambda p: True)
 
     @contextlib.contextmanager
     def _run_cgroup(self) -> Iterator[cgroups.RunCgroup | None]:
@@ -214,18 +246,22 @@ class Sandbox:
             out.append(f"--nproc={self.max_procs}")
         return out
 
-    def _program_argv(self, cpu: float, uid: int | None, args: Sequence[str], host: bool) -> list[str]:
+    def _program_argv(self, cpu: float, uid: int | None, args: Sequence[str], host: bool,
+                      userns: bool = False) -> list[str]:
         """As root, setpriv drops to the run's uid (no capabilities, no new privileges), then prlimit sets the
-        limits and execs the interpreter. `host`: the tools' host paths (else names, found by PATH inside bwrap)."""
+        limits and execs the interpreter. `host`: the tools' host paths (else names, found by PATH inside bwrap).
+        `userns`: the command starts as root of a user namespace of ours; setpriv drops its capabilities."""
         tool = _tool if host else str
         argv: list[str] = []
         if uid is not None:
             argv += [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                      "--bounding-set=-all", "--no-new-privs"]
+        elif userns:
+            argv += [tool("setpriv"), "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
         return argv + [tool("prlimit"), *self._limits(cpu, uid), "--", self.python, "-I", "-B", "main.py", *args]
 
     def _run_bwrap(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str], wall: float,
-                   cpu: float, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
+                   cpu: float, uid: int | None, cg: cgroups.RunCgroup | None, own_network: bool) -> SandboxResult:
         fds: list[int] = []
         try:
             argv = [_bwrap_path(), *_bwrap_base(uid is not None, self.max_disk_mb, self.python)]
@@ -237,40 +273,50 @@ class Sandbox:
             stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
             file_fds = tuple(fds)
             fds.append(stdin_fd)
-            return self._execute(argv, stdin_fd, file_fds, None, wall, "bwrap", uid, cg)
+            return self._execute(argv, stdin_fd, file_fds, None, wall, "bwrap", uid, cg, own_network)
         finally:
             for fd in fds:
                 os.close(fd)
 
     def _run_process(self, files: dict[str, str | bytes], stdin: str | bytes | None, args: Sequence[str],
-                     wall: float, cpu: float, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
-        workdir = tempfile.mkdtemp(prefix="astratk-sandbox-")
-        stdin_fd = -1
-        try:
-            for name, content in files.items():
-                path = os.path.join(workdir, name)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(content.encode() if isinstance(content, str) else content)
-            if uid is not None:
-                os.chown(workdir, uid, uid)
-            stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
-            netns = [_tool("unshare"), "--net", "--"] if self.own_network else []
-            argv = netns + self._program_argv(cpu, uid, args, host=True)
-            return self._execute(argv, stdin_fd, (), workdir, wall, "process", uid, cg)
-        finally:
-            if stdin_fd >= 0:
-                os.close(stdin_fd)
-            shutil.rmtree(workdir, ignore_errors=True)
+                     wall: float, cpu: float, uid: int | None, cg: cgroups.RunCgroup | None,
+                     own_network: bool) -> SandboxResult:
+        assert self._ns is not None
+        with namespaces.base_dir() as base:  # base/work: the program's files and cwd; base/run: its private /run
+            workdir = os.path.join(base, "work")
+            stdin_fd = -1
+            try:
+                self._write_files(workdir, files)
+                if uid is not None:
+                    os.chown(workdir, uid, uid)
+                stdin_fd = _memfd("stdin", stdin or b"", readonly=True)
+                argv = self._ns.argv(base, self.max_disk_mb) + self._program_argv(
+                    cpu, uid, args, host=True, userns=self._ns.user and (self._ns.net or self._ns.mounts))
+                return self._execute(argv, stdin_fd, (), workdir, wall, "process", uid, cg, own_network)
+            finally:
+                if stdin_fd >= 0:
+                    os.close(stdin_fd)
+
+    @staticmethod
+    def _write_files(workdir: str, files: dict[str, str | bytes]) -> None:
+        for name, content in files.items():
+            path = os.path.join(workdir, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
 
     # -------------------------------------------------------------------------------------------------- execute
     def _execute(self, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], cwd: str | None, wall: float,
-                 isolation: str, uid: int | None, cg: cgroups.RunCgroup | None) -> SandboxResult:
+                 isolation: str, uid: int | None, cg: cgroups.RunCgroup | None, own_network: bool) -> SandboxResult:
         start = time.perf_counter()
-        env = dict(_ENV, HOME=cwd or WORKDIR, TMPDIR=cwd or "/tmp")
+        own_mounts = self.own_mounts
+        if isolation == "process" and own_mounts:  # the private /run/sandbox and /tmp
+            env = dict(_ENV, HOME=namespaces.PROCESS_WORKDIR, TMPDIR="/tmp")
+        else:
+            env = dict(_ENV, HOME=cwd or WORKDIR, TMPDIR=cwd or "/tmp")
         # Everything before the program runs as root: the launcher joins the run's cgroup, then (process mode) unshare
-        # makes the network namespace, then setpriv drops to the run's uid. Nothing is done between fork and exec in
-        # Python (no preexec_fn), so this stays thread-safe.
+        # makes the namespaces and the private mounts, then setpriv drops to the run's uid. Nothing is done between
+        # fork and exec in Python (no preexec_fn), so this stays thread-safe.
         argv = (cg.launcher() if cg is not None else []) + argv
         proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                                 env=env if isolation == "process" else {}, pass_fds=pass_fds, close_fds=True,
@@ -289,6 +335,9 @@ class Sandbox:
             cg.kill()  # descendants that outlived the program, whatever uid or session they have
         if isolation == "process" and uid is not None:
             uids.sweep(uid)  # daemons a program left behind, even those that escaped its session
+            if not own_mounts:  # the host's /tmp, /dev/shm, SysV IPC: what it left there goes too
+                uids.sweep_files(uid)
+                uids.sweep_ipc(uid)
         elif killed_by is not None and uid is not None:
             uids.wait_gone(uid)  # the namespace dies with bwrap; wait so the next lease of this uid starts at 0
         if isolation == "bwrap" and rc > 128 and killed_by is None:
@@ -301,7 +350,7 @@ class Sandbox:
                              isolation=isolation, own_uid=uid is not None, wall_s=time.perf_counter() - start,
                              # a program running as our own uid outside bwrap could write itself out of the cgroup
                              cgroup=cg is not None and (isolation == "bwrap" or uid is not None),
-                             own_network=self.own_network)
+                             own_network=own_network, own_mounts=own_mounts)
 
     def _collect(self, proc: subprocess.Popen, deadline: float, sweep_uid: int | None, cg: cgroups.RunCgroup | None
                  ) -> tuple[tuple[bytes, bool], tuple[bytes, bool], str | None]:
@@ -380,22 +429,6 @@ def bwrap_available() -> bool:
                     ok = False
             _PROBE["bwrap"] = ok
         return _PROBE["bwrap"]
-
-
-def netns_available() -> bool:
-    """True when, as root, `unshare --net` gives the process fallback a network namespace of its own (probed once)."""
-    with _PROBE_LOCK:
-        if "netns" not in _PROBE:
-            ok = False
-            exe = shutil.which("unshare")
-            if exe and os.geteuid() == 0 and sys.platform.startswith("linux"):
-                try:
-                    ok = subprocess.run([exe, "--net", "--", shutil.which("true") or "/bin/true"], check=False,
-                                        stdin=subprocess.DEVNULL, capture_output=True, timeout=30).returncode == 0
-                except (OSError, subprocess.TimeoutExpired):
-                    ok = False
-            _PROBE["netns"] = ok
-        return _PROBE["netns"]
 
 
 def _bwrap_path() -> str:

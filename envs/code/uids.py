@@ -6,6 +6,11 @@ the run left behind, wherever it moved, with one `kill(-1)` sent as that uid.
 
 Leases are flocks on per-uid files (in this process or any other; the kernel drops a lock when its holder dies). A uid
 whose processes are still dying from an earlier run is swept before it is handed out, or skipped.
+
+Where a run had no private mounts (the process sandbox where no mount namespace can be made), what its uid left in the
+host's shared writable places goes too: `sweep_files` (/tmp, /var/tmp, /dev/shm, /run/lock, and any directory below
+them others may write) and `sweep_ipc` (SysV shared memory, semaphores, message queues). Other world-writable
+directories of a host, if it has any, are not searched.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import fcntl
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -62,6 +68,59 @@ def wait_gone(uid: int, timeout: float = 5.0, zombies: bool = False) -> None:
     end = time.perf_counter() + timeout
     while uid_pids(uid, zombies) and time.perf_counter() < end:
         time.sleep(0.01)
+
+
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # writable by every uid on a usual Linux host
+_IPC = {"shm": "-m", "sem": "-s", "msg": "-q"}  # /proc/sysvipc table -> ipcrm's option for its ids
+
+
+def sweep_files(uid: int, dirs: tuple[str, ...] = SHARED_DIRS) -> list[str]:
+    """Remove every entry `uid` owns in `dirs` and in the directories below them that others may write (where the
+    uid could have put one too: a sticky /tmp subdirectory, say); a directory it owns goes whole. Call it once the
+    uid's processes are gone. Returns what was removed."""
+    removed = []
+    stack = [d for d in dirs if os.path.isdir(d) and not os.path.islink(d)]
+    while stack:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_uid == uid:
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(entry.path)  # does not follow symlinks the program may have planted
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(entry.path)
+            elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002:
+                stack.append(entry.path)
+    return removed
+
+
+def sweep_ipc(uid: int) -> list[str]:
+    """Remove the SysV IPC objects (shared memory, semaphores, message queues) `uid` owns or created: shared memory
+    outlives its processes and would hold host memory. Returns them as "shm:<id>"."""
+    ipcrm = shutil.which("ipcrm", path="/usr/bin:/bin")
+    removed = []
+    for kind, opt in _IPC.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except (OSError, ValueError):
+            continue
+        col = {name: i for i, name in enumerate(header)}
+        for row in rows:
+            if uid in (int(row[col["uid"]]), int(row[col["cuid"]])) and ipcrm is not None:
+                ident = row[col["shmid" if kind == "shm" else "semid" if kind == "sem" else "msqid"]]
+                if subprocess.run([ipcrm, opt, ident], check=False, capture_output=True).returncode == 0:
+                    removed.append(f"{kind}:{ident}")
+    return removed
 
 
 _LEASE_DIR = os.path.join(tempfile.gettempdir(), "astratk-sandbox-uids")

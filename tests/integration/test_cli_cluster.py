@@ -57,7 +57,8 @@ def test_two_policy_job_across_separate_processes(tmp_path):
     try:
         sched_file = tmp_path / "scheduler.json"
         procs.append(subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
-                                       "--no-dashboard", "--scheduler-file", str(sched_file)], env=ENV,
+                                       "--no-dashboard", "--dashboard-address", "127.0.0.1:0",
+                                       "--scheduler-file", str(sched_file)], env=ENV,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 60
         while not sched_file.exists() and time.monotonic() < deadline:
@@ -67,7 +68,8 @@ def test_two_policy_job_across_separate_processes(tmp_path):
                                 ("gpu-a", "rollout_solver=1,rollout_verifier=1,score=1")):
             procs.append(subprocess.Popen(
                 [str(BIN / "dask"), "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
-                 "--resources", resources, "--no-dashboard"], env=ENV, stdout=subprocess.DEVNULL,
+                 "--resources", resources, "--no-dashboard", "--dashboard-address", "127.0.0.1:0"], env=ENV,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
         cfg = config(tmp_path, address)
         deploy = subprocess.Popen([str(BIN / "astratk"), "deploy", "--config", str(cfg), "--name", "sv-it"], env=ENV,

@@ -79,7 +79,8 @@ def start_scheduler(tmp_path: Path, certs: dict[str, Path], procs: list[subproce
     """`dask scheduler --protocol tls` on a free port; returns the address from its scheduler file."""
     file = tmp_path / "scheduler.json"
     procs.append(_popen([DASK, "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", "0",
-                         "--no-dashboard", "--scheduler-file", str(file), *_tls_flags(certs)],
+                         "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file),
+                         *_tls_flags(certs)],
                         tmp_path / "scheduler.log"))
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -96,7 +97,8 @@ def start_worker(address: str, name: str, resources: str, env: dict[str, str], c
                  tmp_path: Path) -> subprocess.Popen:
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     return _popen([DASK, "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
-                   "--no-dashboard", "--resources", resources, *_tls_flags(certs)],
+                   "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--resources", resources,
+                   *_tls_flags(certs)],
                   tmp_path / f"worker-{name}.log", {**threads, **env})
 
 

@@ -140,7 +140,7 @@ def client():
     from distributed import Client, LocalCluster
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=":0", resources={"control": 1}) as cluster, Client(cluster) as c:
+                      dashboard_address="127.0.0.1:0", resources={"control": 1}) as cluster, Client(cluster) as c:
         yield c
 
 

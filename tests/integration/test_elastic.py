@@ -56,7 +56,7 @@ def _start_dask_worker(address: str, name: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASTRATK_WORKER_CLASS": "joined",
            "ASTRATK_SIM_SLOWDOWN": str(SLOWDOWN)}
     cmd = [str(dask_cli), "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
-           "--resources", "rollout_main=1,score=1", "--no-dashboard"]
+           "--resources", "rollout_main=1,score=1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -60,7 +60,7 @@ def client():
     from distributed import Client, LocalCluster
 
     cluster = LocalCluster(n_workers=1, processes=False, threads_per_worker=4,
-                           dashboard_address=":0", resources={"rollout_main": 4, "score": 4, "control": 1})
+                           dashboard_address="127.0.0.1:0", resources={"rollout_main": 4, "score": 4, "control": 1})
     with Client(cluster) as c:
         yield c
     cluster.close()

@@ -80,6 +80,7 @@ def test_reference_solutions_score_one_and_wrong_ones_zero(env):
         assert scores[0].metrics["code/isolation_bwrap"] == float(env.sandbox.isolation == "bwrap")
         assert scores[0].metrics["code/cgroup"] == float(cgroup.probe()[0] is not None)
         assert scores[0].metrics["code/memory_limit"] == 0.0 and "code/own_network" in scores[0].metrics
+        assert scores[0].metrics["code/own_mounts"] == float(env.sandbox.own_mounts)
         assert scores[2].metrics["code/no_code"] == 1.0
 
 
@@ -162,8 +163,8 @@ def test_hostile_solutions_score_zero_and_leave_the_host_alone(env, monkeypatch)
         harmless = programs["network"].replace(f"socket.create_connection(('127.0.0.1', {port}), timeout=1).close()",
                                                "socket.gethostname()")
         assert env.grade(task, block(harmless)) == 1.0  # the gate passes when the attempt succeeds
-        if not env.sandbox.own_network:
-            programs.pop("network")  # the host's network (process mode without root); results say so
+        if not env.sandbox.netns:
+            programs.pop("network")  # the host's network (process mode without namespaces); results say so
         if not ROOT:
             programs.pop("fork_bomb")  # no uid to drop to: only the wall clock would stop it (test_sandbox skips too)
         scores = env.score_details(task, [block(code) for code in programs.values()])

@@ -129,6 +129,9 @@ def test_user_path_is_returned_unchanged_or_rejected_by_name(tmp_path):
     with pytest.raises(ValueError, match="no safetensors weights"):  # a run would fail later, loading it
         ensure_model(ModelSpec(path=str(tmp_path)), ENV)
     (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a whole safetensors file"):  # likewise
+        ensure_model(ModelSpec(path=str(tmp_path)), ENV)
+    (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # whole, if without tensors
     assert ensure_model(ModelSpec(path=str(tmp_path)), ENV) == tmp_path
 
 

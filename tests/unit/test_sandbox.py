@@ -1,9 +1,11 @@
 """The sandbox contains hostile programs: fork bombs, infinite loops, memory bombs (also ones that fork first),
-network connections, writes outside the sandbox, secret-reading and output floods each end contained, and the host can
+network connections (TCP, and host Unix sockets by path and abstract name), writes outside the sandbox (also to /tmp,
+/var/tmp and /dev/shm, and SysV shared memory), secret-reading and output floods each end contained, and the host can
 still fork, has no stray processes or cgroups, and holds no file the program wrote. Every test runs in each isolation
 mode this machine has: bubblewrap when it is installed (`apt-get install -y bubblewrap`), and always the process
-fallback (whose weaker containment, shared /tmp and, without root, shared network, is asserted to be *reported*, not
-hidden).
+fallback (whose weaker containment where the machine allows no namespaces, the host's network, is asserted to be
+*reported*, not hidden). The fallback's other ways (no mount namespace: files swept; no root: a user namespace) are
+forced by simulating what the machine allows.
 
 Skips that would hide the strongest containment turn into failures on request: `ASTRATK_REQUIRE_BWRAP=1` (CI sets it)
 when bubblewrap cannot create namespaces, `ASTRATK_REQUIRE_CGROUP=1` when no per-run cgroup can be made."""
@@ -11,11 +13,13 @@ when bubblewrap cannot create namespaces, `ASTRATK_REQUIRE_CGROUP=1` when no per
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -24,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from astratk.envs.code import cgroup as cgroups
+from astratk.envs.code import namespaces
 from astratk.envs.code.sandbox import RAM_SHARE, Sandbox, SandboxResult, bwrap_available
 
 ROOT = os.geteuid() == 0
@@ -213,7 +218,7 @@ def unshare_net_works() -> bool:
 @pytest.mark.parametrize("mode", MODES)
 def test_no_network(mode):
     sb = sandbox(mode)
-    assert sb.own_network == (mode == "bwrap" or unshare_net_works())  # used wherever the machine allows it
+    assert sb.netns == (mode == "bwrap" or unshare_net_works())  # used wherever the machine allows it
     with socket.socket() as server:  # a host service the sandbox must not reach
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -228,17 +233,20 @@ def test_no_network(mode):
             seen = True
         except BlockingIOError:
             seen = False
-    assert r.own_network == sb.own_network and r.returncode == 0, r
-    if r.own_network:
+    assert r.returncode == 0, r
+    assert r.own_network == (sb.netns and not sb.reachable_sockets())
+    if sb.netns:
         assert "connected" not in r.stdout and r.stdout.count("refused") == 2 and not seen
     else:  # reported as shared: then the report is true (the listener saw the program)
-        assert f"connected ('127.0.0.1', {port})" in r.stdout and seen
+        assert f"connected ('127.0.0.1', {port})" in r.stdout and seen and not r.own_network
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_cannot_write_outside(mode):
     tag = uuid.uuid4().hex
-    targets = ["/root", "/work"] + (["/tmp"] if mode == "bwrap" else [])  # process mode shares /tmp (reported)
+    # /tmp, /var/tmp, /dev/shm: a run's own (bwrap; the process fallback where it can have a mount namespace), or
+    # swept after the run (test_what_a_run_leaves_in_the_hosts_temp_dirs_is_swept_without_a_mount_namespace)
+    targets = ["/root", "/work", "/tmp", "/var/tmp", "/dev/shm"]
     if not ROOT and mode == "process":
         pytest.skip("without root the process fallback writes wherever this user can")
     paths = [f"{d}/evil-{tag}" for d in targets] + [f"{os.getcwd()}/evil-{tag}"]
@@ -247,12 +255,210 @@ def test_cannot_write_outside(mode):
     try:
         r = sandbox(mode).run(code)
         assert r.returncode == 0
-        assert "wrote /root" not in r.stdout and "wrote /work" not in r.stdout  # bwrap's own /tmp is writable
+        assert "wrote /root" not in r.stdout and "wrote /work" not in r.stdout  # a run's own /tmp is writable
         assert not any(os.path.exists(p) for p in paths)  # ... but it is not the host's
     finally:
         for p in paths:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+# ------------------------------------------------------------------- shared temp dirs, SysV IPC, Unix sockets
+LEAVE_BEHIND = """import ctypes, os
+tag, key = {tag!r}, {key}
+shm_mb = 0
+for i in range(10):  # 100 MB of host memory, were /dev/shm the host's
+    try:
+        with open(f"/dev/shm/{{tag}}-{{i}}", "wb") as f:
+            f.write(b"x" * (10 << 20))
+        shm_mb += 10
+    except OSError:
+        break
+for d in ("/tmp", "/var/tmp"):
+    try:
+        open(f"{{d}}/{{tag}}-file", "w").write("x")
+        os.mkdir(f"{{d}}/{{tag}}-dir")
+        open(f"{{d}}/{{tag}}-dir/f", "w").write("x")
+    except OSError:
+        pass
+# a SysV shared-memory segment (IPC_CREAT | 0600): it outlives its process unless someone removes it
+segment = ctypes.CDLL(None, use_errno=True).shmget(key, 1 << 20, 0o1600)
+print(shm_mb, segment >= 0)
+"""
+
+
+def leave_behind() -> tuple[str, int, str]:
+    """(tag, SysV key, program) for a program that leaves 100 MB in /dev/shm, files and a directory in /tmp and
+    /var/tmp, and a SysV shared-memory segment, each named by the tag (or keyed by the key)."""
+    tag = f"astratk-test-{uuid.uuid4().hex}"
+    key = int(tag[-7:], 16) + 1
+    return tag, key, LEAVE_BEHIND.format(tag=tag, key=key)
+
+
+def leftovers(tag: str, key: int) -> list[str]:
+    """What the program left on the host: files named by `tag` in the shared temp dirs, and a segment keyed `key`."""
+    found = [p for d in ("/tmp", "/var/tmp", "/dev/shm") for p in glob.glob(f"{d}/{tag}*")]
+    with open("/proc/sysvipc/shm") as f:
+        found += [f"shm key {key}" for line in f if line.split()[0] == str(key)]
+    return found
+
+
+def remove_leftovers(tag: str, key: int) -> None:
+    for p in leftovers(tag, key):
+        if p.startswith("shm key"):
+            subprocess.run(["ipcrm", "-M", str(key)], check=False, capture_output=True)
+        elif os.path.isdir(p):
+            subprocess.run(["rm", "-rf", p], check=False)
+        else:
+            os.unlink(p)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_a_run_leaves_in_temp_dirs_or_ipc_outlives_it(mode):
+    """/dev/shm, /tmp, /var/tmp and SysV IPC are the run's own (bwrap; the fallback with a mount namespace) or swept
+    after it: either way the host holds nothing of it after the run, and the results say which (`own_mounts`)."""
+    sb = sandbox(mode)
+    if mode == "process" and not ROOT and not sb.own_mounts:
+        pytest.skip(f"without root or a user namespace ({namespaces.probe().why}) the fallback shares this user's "
+                    "temp dirs: nothing tells the run's files from the user's (reported: own_mounts False)")
+    tag, key, code = leave_behind()
+    try:
+        r = sb.run(code)
+        assert r.returncode == 0, r
+        assert leftovers(tag, key) == []
+    finally:
+        remove_leftovers(tag, key)
+    shm_mb, segment = r.stdout.split()
+    assert r.own_mounts == sb.own_mounts and r.own_mounts == (mode == "bwrap" or namespaces.probe().mounts)
+    if mode == "process" and r.own_mounts:  # its own /dev/shm and IPC: capped, and gone with the run
+        assert segment == "True" and 0 < int(shm_mb) <= sb.max_disk_mb, r
+    host_is_fine()
+
+
+def test_without_a_mount_namespace_what_a_run_leaves_is_swept(monkeypatch):
+    """Where no mount namespace can be made (simulated), the program writes the host's /dev/shm and /tmp; what the
+    run's uid left there, and its SysV segment, is removed after the run; the host's own files stay."""
+    if not ROOT:
+        pytest.skip("only a uid of the run's own tells its files from this user's")
+    monkeypatch.setitem(namespaces._PROBED, True, namespaces.Namespaces(True, False, False, "simulated: no mounts"))
+    sb = sandbox("process", run_memory_mb=512)
+    assert not sb.own_mounts
+    tag, key, code = leave_behind()
+    # the host's own file, in a directory the run wrote to: it must stay
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="astratk-test-keep-") as keep:
+        try:
+            r = sb.run(code)
+            assert r.returncode == 0 and not r.own_mounts, r
+            assert r.stdout == "100 True\n", r  # it did write the host's /dev/shm and make a segment ...
+            assert leftovers(tag, key) == []  # ... and none of it is left
+            assert os.path.exists(keep.name)
+        finally:
+            remove_leftovers(tag, key)
+    host_is_fine()
+
+
+SOCKET_PROBE = """import socket
+for name, addr in {addrs!r}:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(addr)
+        print("connected", name)
+    except OSError as e:
+        print("refused", name, e.errno)
+"""
+
+
+@contextlib.contextmanager
+def unix_listener(addr: str, mode: int = 0o777):
+    """A host service listening on a Unix socket (a path made `mode`, or an abstract name "\\0..."); yields a function
+    that says whether anyone connected."""
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(addr)
+        if not addr.startswith("\0"):
+            os.chmod(addr, mode)
+        server.listen()
+        server.setblocking(False)
+
+        def seen() -> bool:
+            try:
+                server.accept()[0].close()
+                return True
+            except BlockingIOError:
+                return False
+
+        yield seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_host_unix_sockets_in_a_shared_temp_dir_are_out_of_reach(mode):
+    """A world-writable socket in /tmp and an abstract one: a network namespace hides only the abstract one, the
+    private /tmp the other. A run never reports `own_network` while it reached either."""
+    shared = tempfile.mkdtemp(prefix="astratk-test-", dir="/tmp")
+    os.chmod(shared, 0o755)
+    path, abstract = os.path.join(shared, "service.sock"), f"\0astratk-test-{uuid.uuid4().hex}"
+    try:
+        with unix_listener(path) as path_seen, unix_listener(abstract) as abstract_seen:
+            sb = sandbox(mode)
+            r = sb.run(SOCKET_PROBE.format(addrs=[("path", path), ("abstract", abstract)]))
+            reached = {"path": path_seen(), "abstract": abstract_seen()}
+    finally:
+        subprocess.run(["rm", "-rf", shared], check=False)
+    assert r.returncode == 0, r
+    assert reached == {n: f"connected {n}" in r.stdout for n in reached}, r
+    if r.own_network:
+        assert not any(reached.values()), r  # the report is true
+    if mode == "bwrap" or (sb.netns and sb.own_mounts):
+        assert not any(reached.values()), r  # ... and isolated wherever the machine allows
+        assert r.own_network or sb.reachable_sockets(), r  # saying so, unless another host socket is in reach (named)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_host_socket_the_run_can_reach_is_reported(mode):
+    """A world-writable socket in a host directory the fallback sees (not a private one): it reaches it and says
+    so (`own_network` False, `reachable_sockets()` names it); one only root may write is not counted; bwrap sees
+    neither."""
+    if not ROOT:
+        pytest.skip("makes a directory under /var/lib")
+    visible = tempfile.mkdtemp(prefix="astratk-test-", dir=next(d for d in ("/var/lib", "/opt", "/srv")
+                                                                   if os.path.isdir(d)))
+    os.chmod(visible, 0o755)
+    open_path, closed_path = os.path.join(visible, "open.sock"), os.path.join(visible, "closed.sock")
+    try:
+        with unix_listener(open_path, 0o777) as open_seen, unix_listener(closed_path, 0o755) as closed_seen:
+            sb = sandbox(mode)
+            listed = sb.reachable_sockets()
+            r = sb.run(SOCKET_PROBE.format(addrs=[("open", open_path), ("closed", closed_path)]))
+            reached = {"open": open_seen(), "closed": closed_seen()}
+    finally:
+        subprocess.run(["rm", "-rf", visible], check=False)
+    assert r.returncode == 0, r
+    sees = mode == "process"
+    assert reached == {"open": sees, "closed": False}, r
+    assert (open_path in listed, closed_path in listed) == (sees, False)
+    assert r.own_network == (sb.netns and not listed), r
+
+
+def test_without_root_a_user_namespace_gives_the_fallback_its_own_mounts_and_network(monkeypatch):
+    """Not root (simulated as root: os.geteuid says 1000, so no uid is leased and the fallback takes the user
+    namespace way): the program runs as that namespace's root without capabilities, in private mounts and IPC and
+    its own network, and leaves nothing behind."""
+    if ROOT:
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    ns = namespaces.probe()
+    if not ns.mounts:
+        pytest.skip(f"no user namespace with mounts here: {ns.why}")
+    sb = sandbox("process")
+    assert ns.user and sb.own_mounts and sb.netns
+    tag, key, code = leave_behind()
+    try:
+        r = sb.run(code + "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0])\n")
+        assert r.returncode == 0, r
+        assert leftovers(tag, key) == []
+    finally:
+        remove_leftovers(tag, key)
+    shm_mb, segment, caps = r.stdout.split()
+    assert (r.own_uid, r.own_mounts, r.own_network) == (False, True, not sb.reachable_sockets()), r
+    assert segment == "True" and 0 < int(shm_mb) <= sb.max_disk_mb and int(caps, 16) == 0, r
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -419,16 +625,18 @@ def test_without_a_cgroup_a_ram_guard_refuses_what_could_exhaust_the_machine(mon
 
 def test_without_a_cgroup_the_default_process_count_fits_a_container_memory_limit(monkeypatch):
     """In a container capped at 4 GB (our own cgroup's limit, below the machine's RAM) without a writable cgroup, the
-    default max_procs is lowered to fit half of it; an explicit one over it is refused, not lowered."""
+    default max_procs is lowered to fit half of it; an explicit one over it is refused, not lowered. The run's private
+    tmpfs (/tmp, /var/tmp, /dev/shm: 64 MB), where it has one, counts too."""
     if not ROOT:
         pytest.skip("the guard applies as root only (without root no uid of its own bounds the process count)")
     monkeypatch.setitem(cgroups._PROBE, "layout", (None, "simulated: no writable cgroup"))
     monkeypatch.setattr(cgroups, "own_memory_limit_mb", lambda: 4096)
-    default = Sandbox(isolation="process", memory_mb=512)
-    assert default.max_procs == 4  # 2048 MB / 512 MB
-    assert Sandbox(isolation="process", memory_mb=128).max_procs == 16  # the default fits: kept
-    with pytest.raises(ValueError, match=r"4096 MB; lower them .* max_procs=4"):
-        Sandbox(isolation="process", memory_mb=512, max_procs=8)
+    default = Sandbox(isolation="process", memory_mb=512, max_disk_mb=64)
+    tmpfs = 64 if default.own_mounts else 0
+    assert default.max_procs == (2048 - tmpfs) // 512  # 3 (4 without the tmpfs)
+    assert Sandbox(isolation="process", memory_mb=64, max_disk_mb=64).max_procs == 16  # the default fits: kept
+    with pytest.raises(ValueError, match=rf"4096 MB; lower them .* max_procs={(2048 - tmpfs) // 512}"):
+        Sandbox(isolation="process", memory_mb=512, max_procs=8, max_disk_mb=64)
 
 
 def test_own_memory_limit_is_read_from_our_cgroup_and_its_ancestors(tmp_path, monkeypatch):

@@ -144,7 +144,7 @@ def test_a_run_spec_with_the_scripted_engine_rolls_out_and_scores(tmp_path):
 def test_engine_arguments_the_constructor_cannot_take_fail_naming_what_it_takes():
     with pytest.raises(TypeError, match=r"engine 'astratk.engines.scripted.ScriptedEngine' .* takes no argument "
                                         r"\['batch_window_s'\] \(rollout.engine_args\); its constructor takes "
-                                        r"\['logprob', 'script', 'version'\]"):
+                                        r"\['logprob', 'max_model_len', 'script', 'version'\]"):
         build_engine("astratk.engines.scripted.ScriptedEngine", None, batch_window_s=0.01)
     # run-wide settings reach only the constructors that take them; the engine's own arguments override them
     engine = build_engine("scripted", None, run_settings={"max_batch": 4, "version": 1}, version=3)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from astratk.contracts import GenerationRequest, SamplingParams
+from astratk.contracts import GenerationRequest, PromptTooLong, SamplingParams
 from astratk.engines import TorchEngine, build_engine
 from astratk.models import build_char_tokenizer
 from astratk.models.tokenizer import save_char_tokenizer
@@ -494,6 +494,9 @@ def test_versions_change_exactly_at_the_update(engine, engine_b, models, tok):
 def test_bad_requests_and_updates_fail_clearly(engine, tok):
     with pytest.raises(ValueError, match="max_model_len"):
         run(engine, [GenerationRequest((1,) * 250, SamplingParams(max_tokens=20))])
+    assert engine.max_model_len == 256  # the rollout service fits requests into it (astratk.rollout.context)
+    with pytest.raises(PromptTooLong, match="max_model_len"):  # no room for one token: its task is dropped
+        run(engine, [GenerationRequest((1,) * 256, SamplingParams(max_tokens=1))])
     with pytest.raises(ValueError, match="prompt token ids"):
         run(engine, [GenerationRequest((1, 10_000), SamplingParams())])
     with pytest.raises(KeyError, match="names the model lacks"):

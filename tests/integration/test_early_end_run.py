@@ -1,0 +1,54 @@
+"""A run whose trainer starves ends early through the front door: `astratk run` writes metrics.nc and summary.json
+(`stopped_early`, the reason in words) and exits 1 with that reason in one line, no traceback.
+
+Every completion of `ConstantEnv` scores 1, so every group is zero-variance and dropped: the trainer never gets a
+batch. Before, it waited `trainer.batch_timeout_s`, then a TimeoutError traceback ended the run with nothing but
+config.yaml written. A threads cluster (`processes: false`) keeps it short and lets the env live in this module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from astratk.cli import main
+from astratk.envs.math.arithmetic import ArithmeticEnv
+from astratk.metrics import load
+
+pytestmark = pytest.mark.integration
+
+
+class ConstantEnv(ArithmeticEnv):
+    """Arithmetic where every completion scores 1."""
+
+    def grade(self, task, text):
+        return 1.0
+
+
+def test_a_starved_run_writes_its_outputs_and_exits_with_the_reason(tmp_path, capsys):
+    config = {
+        "name": "starved", "output_dir": str(tmp_path / "runs"), "progress": False,
+        "env": {"class_path": f"{__name__}.ConstantEnv", "init_args": {"levels": [1], "n_heldout": 16}},
+        "policies": [{"model": {"cache_dir": str(tmp_path / "cache"),
+                                "tiny": {"warm_start_steps": 5, "warm_start_batch": 8, "warm_start_target": None}},
+                      "trainer": {"max_steps": 4, "groups_per_step": 2, "batch_timeout_s": 3, "loggers": []}}],
+        "rollout": {"group_size": 4, "max_new_tokens": 4, "tasks_per_chunk": 4},
+        "cluster": {"processes": False, "rollout_workers": 1},
+        "eval": {"interval_s": 60, "max_tasks": 16, "timeout_s": 120},
+    }
+    path = tmp_path / "starved.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["run", "--config", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("astratk run: stopped early: policy 'main' got no batch for step 0 in 3s: all ")
+    assert "groups rolled out since were dropped as zero-variance: rewards all equal" in err[0]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] is True and summary["steps"] == 0
+    assert summary["stop_reason"] == err[0].removeprefix("astratk run: stopped early: ")
+    ds = load(run_dir / "metrics.nc")
+    assert float(ds["data_groups_dropped_zero_variance"].sel(policy="main")) > 0
+    assert ds.attrs["stopped_early"] == 1 and ds.sizes["eval"] >= 2  # the first and the last version's evaluations
