@@ -187,8 +187,9 @@ def phase_trainer(out: Path, steps: int) -> dict[str, Any]:
 
     accounting = task_accounting(counters)
     first_step_s = float(ds["train_time_s"].sel(policy="main").isel(step=0)) if ds.sizes.get("step") else None
-    return {"phase": "trainer", "killed_after_checkpoint": killed_at, "steps": summary["steps"],
-            "final_version": summary["final_version"], "steps_wanted": steps, "tasks_lost": accounting["tasks_lost"],
+    # the resumed run trains from the checkpoint's step on: the policy's last version is the whole run's step count
+    return {"phase": "trainer", "killed_after_checkpoint": killed_at, "steps_after_resume": summary["steps"],
+            "steps": summary["final_version"], "steps_wanted": steps, "tasks_lost": accounting["tasks_lost"],
             "resume_wall_s": round(time.time() - t0, 1),
             "first_step_after_resume_s": None if first_step_s is None else round(first_step_s, 2)}
 
