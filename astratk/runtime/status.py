@@ -21,8 +21,9 @@ def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.
                          "whose cluster.tls names them (ca_file, cert, key), or set Dask's "
                          "DASK_DISTRIBUTED__COMM__TLS__CA_FILE, __CLIENT__CERT and __CLIENT__KEY (docs/cluster.md)")
     try:
-        client = Client(scheduler, timeout=timeout_s, security=security)  # the default client: fetched actors
-        #   call through it; security: the run config's cluster.tls (else Dask's config)
+        # a private client (fetched actors are bound to it: registry.fetch); security: the run config's
+        # cluster.tls, else Dask's config
+        client = Client(scheduler, timeout=timeout_s, security=security, set_as_default=False)
     except OSError as e:
         raise OSError(f"cannot reach the Dask scheduler at {scheduler} within {timeout_s:.0f}s ({e})") from None
     with client:
