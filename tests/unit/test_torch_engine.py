@@ -563,7 +563,9 @@ def test_hundreds_of_multi_turn_episodes_from_threads(engine, prompts):
 
 def test_hundreds_of_episodes_while_weights_load(model, prompts):
     """300 episodes from 3 threads while another thread alternates two weight states every ~20 ms: no deadlock,
-    every completion comes from one version, and its tokens are that version's (checked against reference engines)."""
+    every completion comes from one version, and its tokens are that version's (checked against reference engines).
+    The loader waits until versions 1 and 2 have each served a completion, so both states are seen however loaded
+    the machine is (a CI run beside other jobs once saw only one)."""
     states = {1: {k: v.clone() for k, v in tiny_model(1).state_dict().items()},
               2: {k: v.clone() for k, v in model.state_dict().items()}}
     served: list[tuple[GenerationRequest, object]] = []
@@ -575,6 +577,11 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
             while not stop.is_set():
                 version += 1
                 engine.load_weights(states[2 - version % 2], version)
+                if version <= 2:  # on a loaded machine the episodes could otherwise all land on one parity: wait
+                    deadline = time.monotonic() + 60  # until each of the first two versions served a completion
+                    while not stop.is_set() and time.monotonic() < deadline and not any(
+                            c.versions[0] == version for _, c in list(served)):
+                        time.sleep(0.002)
                 time.sleep(0.02)
 
         async def episode(i: int) -> None:
@@ -600,7 +607,7 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
         stop.set()
         load_thread.join(timeout=30)
         assert not any(t.is_alive() for t in threads) and not load_thread.is_alive(), "episodes or loads deadlocked"
-        assert engine.version >= 3, "the loader never got between batches"
+        assert engine.version >= 2, "the loader never got between batches"
     assert len(served) == 600
     assert all(len(set(c.versions)) == 1 for _, c in served)
     by_state: dict[int, list[tuple[GenerationRequest, object]]] = {0: [], 1: []}
