@@ -225,6 +225,11 @@ class TrainerSpec:
     # longest row) and accumulate their gradients: activation memory scales with it, the update is
     # the same. None: one forward.
     micro_batch_tokens: int | None = None
+    # Run each distinct prompt of a step's batch once and continue every sample from its cache
+    # (the G samples of a group share their prompt): the same log-probs and gradients, fewer tokens
+    # through forward and backward (quickstart: 2.7x faster). Checked against the padded forward
+    # on the first batch; a model that differs falls back with a warning. Off under FSDP.
+    share_prompts: bool = True
     # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv,
     # tensorboard, wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's
     # metrics.nc does not need them).

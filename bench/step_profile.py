@@ -11,7 +11,9 @@ One step's batch of real rollouts is made up front by the real path (rollout ser
 2. the whole step by hand (`training_step` + backward + clip + step), so "Python and glue" = whole - parts;
 3. the same step through a Lightning `Trainer` (clipping, logging off, no callbacks), so "Lightning" = that - 2;
 4. what publishing costs the trainer: `weights()` (copy out) + `WeightStore.publish` to `memory://`;
-5. bf16 autocast on the CPU for forward + backward (AMX / AVX-512 bf16 here), against fp32, same batch.
+5. bf16 autocast on the CPU for forward + backward (AMX / AVX-512 bf16 here), against fp32, same batch;
+6. forward + backward with each group's prompt run once (`trainer.share_prompts`, the default) against the padded
+   forward that runs it for every sample, in fp32 and bf16.
 
 Prints a table (ms per step, share of the whole Lightning step). Figures go to BENCHMARKS.md.
 """
@@ -19,6 +21,7 @@ Prints a table (ms per step, share of the whole Lightning step). Figures go to B
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 import warnings
@@ -135,7 +138,7 @@ def profile(spec: Any, model_path: str, steps: int) -> dict[str, float]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lm, loader)
-    out["whole step in Lightning"] = statistics.median(b - a for a, b in zip(ticks[2:], ticks[3:]))
+    out["whole step in Lightning"] = statistics.median(b - a for a, b in itertools.pairwise(ticks[2:]))
 
     store = WeightStore("memory://bench-step-profile-publish")
     version = iter(range(1, 10**6))
@@ -143,9 +146,10 @@ def profile(spec: Any, model_path: str, steps: int) -> dict[str, float]:
     out["publish: store.publish (full, fp32)"] = _timed(
         lambda: store.publish(p.policy_id, next(version), m.weights()), steps) - out["publish: weights() copy"]
 
-    def fwd_bwd(bf16: bool) -> Callable[[], None]:
+    def fwd_bwd(bf16: bool, share: bool = True) -> Callable[[], None]:
         def run() -> None:
             opt.zero_grad(set_to_none=True)
+            m.share_prompts = share and None  # None: checked again (and kept) on the next batch
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 fwd = m._policy_forward(batch)
                 token_losses, mask, _ = m._loss_terms(batch, fwd, None, None)
@@ -155,6 +159,8 @@ def profile(spec: Any, model_path: str, steps: int) -> dict[str, float]:
 
     out["forward+backward fp32"] = _timed(fwd_bwd(False), steps)
     out["forward+backward bf16 autocast"] = _timed(fwd_bwd(True), steps)
+    out["forward+backward fp32, padded"] = _timed(fwd_bwd(False, share=False), steps)
+    out["forward+backward bf16 autocast, padded"] = _timed(fwd_bwd(True, share=False), steps)
     return out
 
 
@@ -193,6 +199,10 @@ def main() -> None:
     f32, b16 = r["forward+backward fp32"], r["forward+backward bf16 autocast"]
     print(f"{'forward+backward fp32':42s} {1e3 * f32:8.2f}")
     print(f"{'forward+backward bf16 autocast':42s} {1e3 * b16:8.2f}   ({f32 / b16:.2f}x fp32)")
+    pad32, pad16 = r["forward+backward fp32, padded"], r["forward+backward bf16 autocast, padded"]
+    print(f"{'forward+backward fp32, padded (no sharing)':42s} {1e3 * pad32:8.2f}   (shared prompts: "
+          f"{pad32 / f32:.2f}x faster)")
+    print(f"{'forward+backward bf16, padded (no sharing)':42s} {1e3 * pad16:8.2f}   ({pad32 / pad16:.2f}x fp32 padded)")
 
 
 if __name__ == "__main__":

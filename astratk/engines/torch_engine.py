@@ -6,8 +6,8 @@ One worker thread takes the first queued request, waits `batch_window_s` for mor
 one batch and resolves the callers' futures; a call larger than `max_batch` spans batches. An exception in a batch
 goes to the calls in that batch, and the worker carries on.
 
-Decoding. Prompts are left-padded, position ids count each row's real tokens; one prefill, then one token per step
-through `past_key_values`. A row stops at one of its `stop_token_ids` (kept in the completion) or at its `max_tokens`;
+Decoding. Prompts are left-padded, position ids count each row's real tokens; one prefill (equal prompts, such as
+a group's samples, once each), then one token per step through `past_key_values`. A row stops at one of its `stop_token_ids` (kept in the completion) or at its `max_tokens`;
 rows with different temperatures, budgets and stops share a batch, and finished rows are compacted away once they are
 a quarter of it. Stop strings (`params.stop`, needs a tokenizer) end a row at the token whose text completes one, kept
 too: only rows that have them decode, each step, a short tail of their generated tokens (`_text_stop_hits`).
@@ -569,8 +569,20 @@ class TorchEngine:
         seeds = self._row_seeds(requests).to(dev)  # [B]
         cache = self._new_cache(p + n)
         pos = (mask[:, :p].cumsum(1) - 1).clamp(min=0)
-        logits = self._model(input_ids=ids, attention_mask=mask[:, :p], position_ids=pos, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        # Equal prompts (a group's samples) are prefilled once; their cache rows and last logits are then indexed out
+        # per request, which is what each row's own prefill would compute.
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its first row
+        for i, r in enumerate(requests):
+            first.setdefault(tuple(r.prompt_ids), i)
+        shared = len(first) < b
+        unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
+        logits = self._model(input_ids=ids[unique], attention_mask=mask[unique, :p], position_ids=pos[unique],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [U, V]
+        if shared:
+            slot = {prompt: j for j, prompt in enumerate(first)}
+            expand = torch.tensor([slot[tuple(r.prompt_ids)] for r in requests], device=dev)  # [B] -> its prompt
+            cache.batch_select_indices(expand)
+            logits = logits[expand]  # [B, V]
         out_tokens, out_lp = torch.zeros(b, n, dtype=torch.long, device=dev), torch.zeros(b, n, device=dev)
         lengths, stopped = torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.bool, device=dev)
         top_ids = torch.zeros(b, n, k, dtype=torch.long, device=dev) if k else None

@@ -263,6 +263,19 @@ def test_seed_reproducible_whatever_the_batch(engine, model, prompts):
         assert [c.token_ids for c in gen(a, unseeded)] == [c.token_ids for c in gen(b, unseeded)]
 
 
+def test_a_groups_shared_prompt_is_prefilled_once_with_the_same_results(engine, prompts):
+    """Equal prompts in a batch (a group's samples) share one prefill; each seeded sample still gets the tokens and
+    log-probs it gets alone, next to rows with other prompts and temperatures."""
+    group = [req(prompts[2], temperature=1.0, max_tokens=12, seed=40 + j) for j in range(5)]
+    others = [req(prompts[0], temperature=0.7, max_tokens=6, seed=3), req(prompts[1], temperature=0.0, max_tokens=9)]
+    batched = gen(engine, [others[0], *group[:3], others[1], *group[3:]])
+    assert len({c.token_ids for c in batched[1:4]}) == 3  # different samples of the shared prompt
+    for got, request in zip(batched, [others[0], *group[:3], others[1], *group[3:]]):
+        [alone] = gen(engine, [request])
+        assert got.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
 def test_n_samples_are_seeded_requests_in_place(engine, prompts):
     """`SamplingParams.n = 4` returns 4 completions in the request's place, equal to 4 requests seeded 9..12."""
     many = gen(engine, [req(prompts[0], max_tokens=3), req(prompts[1], max_tokens=10, seed=9, n=4),
