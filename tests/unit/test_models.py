@@ -181,3 +181,23 @@ def test_warm_start_stops_once_train_exact_match_reaches_the_target():
     assert any("stopping" in line for line in lines)
     never = TinyModelSpec(**{**vars(TINY), "warm_start_target": None})
     assert ws.warm_start(build_tiny_model(never, tok), tok, env, never, log=lines.append).steps == 5
+
+
+def test_encode_chat_renders_each_conversation_once_per_tokenizer_and_template():
+    """A group's samples share their messages: the template is rendered once, copies are handed out, and a changed
+    template or another tokenizer renders again."""
+    tok = build_char_tokenizer()
+    calls = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: calls.append(1) or render(*a, **k)
+    messages = [{"role": "user", "content": "12+30="}]
+    first = encode_chat(tok, messages)
+    first.append(-1)  # the caller's copy: the cache keeps its own
+    again = encode_chat(tok, [dict(m) for m in messages])
+    assert again == first[:-1] and len(calls) == 1
+    assert tok.decode(again).startswith("<|im_start|>user\n12+30=")
+    assert encode_chat(tok, [{"role": "user", "content": "12+31="}]) != again and len(calls) == 2
+    tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert encode_chat(tok, messages) != again and len(calls) == 3
+    other = build_char_tokenizer()
+    assert encode_chat(other, messages) == again
