@@ -28,18 +28,15 @@ __all__ = ["encode_chat", "stop_token_ids"]
 # template plus encoding costs more than the engine's share of a short sample (measured: 15% of a rollout worker's
 # time on the quickstart), so each distinct conversation is encoded once per tokenizer.
 _CACHE_SIZE = 4096
-_cache: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, OrderedDict[Any, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """Render `messages` with the tokenizer's chat template (generation prompt added) and encode without adding
     special tokens again (the template already holds them). Repeated conversations come from a per-tokenizer cache
-    (the key is the template's hash and the messages' JSON; messages that are not JSON are encoded every time)."""
-    try:
-        key = f"{hash(str(getattr(tokenizer, 'chat_template', None)))}:{json.dumps(list(messages), sort_keys=True)}"
-    except (TypeError, ValueError):
-        key = None
+    (the key is the template and the messages; messages that are not JSON are encoded every time)."""
+    key = _key(tokenizer, messages)
     if key is not None:
         with _lock:
             per_tok = _cache.get(tokenizer)
@@ -59,6 +56,22 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]
             while len(per_tok) > _CACHE_SIZE:
                 per_tok.popitem(last=False)
     return list(ids)
+
+
+def _key(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> Any:
+    """A hashable key for (template, messages): their items as tuples (plain string messages), else their JSON; None
+    when neither works (not cached)."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        key = (template, tuple(tuple(sorted(m.items())) for m in messages))
+        hash(key)
+        return key
+    except (TypeError, AttributeError):
+        pass
+    try:
+        return (template, json.dumps(list(messages), sort_keys=True))
+    except (TypeError, ValueError):
+        return None
 
 
 def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
