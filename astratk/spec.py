@@ -204,6 +204,10 @@ class TrainerSpec:
     grad_clip: float = 1.0
     # publish weights every k optimiser steps
     publish_every: int = 1
+    # Write each publication on a background thread while the next step computes: the trainer only
+    # copies the weights out (one write in flight; checkpoints and the end of training wait for it).
+    # False: the trainer blocks until the store has the version. The synchronous mode always blocks.
+    publish_in_background: bool = True
     aggregation: str = "seq-mean-token-sum-norm"
     # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
     horizon: int | None = None

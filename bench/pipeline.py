@@ -7,7 +7,8 @@
 
     python bench/pipeline.py --config tutorials/quickstart.yaml --seconds 60
 
-The ratio pipeline/trainer-alone says how close the asynchronous pipeline comes to keeping the trainer busy.
+Also the whole run's steps/s and samples/s (wall time from start-up to the last evaluation), generated samples/s
+(dropped groups included) and the groups dropped. The ratio pipeline/trainer-alone says how close the asynchronous pipeline comes to keeping the trainer busy.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main() -> None:
     ds = result.metrics()
     pipeline = s["steps"] / s["train_time_s"]
     samples = float(ds["train_sequences"].sum()) / s["train_time_s"]
+    generated = float(ds["acquisition_samples"].sum()) / s["train_time_s"] if "acquisition_samples" in ds else 0.0
+    dropped = float(ds["dropped"].sum()) if "dropped" in ds else 0.0
+    whole = s["steps"] / s["wall_time_s"]
     compute = float(ds["train_step_compute_s"].mean())
     print(f"config {args.config}; torch threads per process {spec.cluster.torch_threads}; "
           f"{spec.policies[0].trainer.groups_per_step} groups x {spec.rollout.group_size} samples per step")
@@ -82,6 +86,10 @@ def main() -> None:
     print(f"{'pipeline, trainer compute s/step':<44}{compute:>12.3f}")
     print(f"{'pipeline, share of wall time waiting for data':<44}{s['data_wait_fraction']:>12.1%}")
     print(f"{'pipeline, trained samples/s':<44}{samples:>12.1f}")
+    print(f"{'pipeline, generated samples/s (with dropped)':<44}{generated:>12.1f}")
+    print(f"{'pipeline, groups dropped (all reasons)':<44}{dropped:>12.0f}")
+    print(f"{'whole run (start-up + evals), steps/s':<44}{whole:>12.2f}")
+    print(f"{'whole run, trained samples/s':<44}{float(ds['train_sequences'].sum()) / s['wall_time_s']:>12.1f}")
 
 
 if __name__ == "__main__":

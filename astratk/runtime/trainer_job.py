@@ -215,6 +215,14 @@ class DeploymentCallbacks(pl.Callback):
         for cb in self.inner:
             cb.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for cb in self.inner:
+            cb.on_train_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        for cb in self.inner:
+            cb.on_save_checkpoint(trainer, pl_module, checkpoint)
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write_steps(trainer)
 
@@ -229,6 +237,8 @@ class DeploymentCallbacks(pl.Callback):
                 cb.load_state_dict(state_dict[type(cb).__qualname__])
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        for cb in self.inner:
+            cb.on_exception(trainer, pl_module, exception)
         self._write_steps(trainer, exception)
 
     def _write_steps(self, trainer: pl.Trainer, error: BaseException | None = None) -> None:

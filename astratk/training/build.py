@@ -160,7 +160,7 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     recorder = StepRecorder(stream, extra=extra)
     ts = spec.policy(policy_id).trainer
     publisher = WeightPublisher(store, stream.datalayer, policy_id, ts.publish_every,
-                                publish_skipped=spec.dataflow.synchronous)
+                                publish_skipped=spec.dataflow.synchronous, background=ts.publish_in_background)
     out: list[pl.Callback] = [publisher, recorder, StopFile(stop_file)]
     if ts.divergence is not None:
         out.append(DivergenceGuard(ts.divergence, policy_id, recorder,
