@@ -45,6 +45,8 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch
     if b < 2 or width < 3:
         return None
     lengths = attention_mask.long().sum(dim=1)  # [B]
+    if not torch.equal(attention_mask != 0, torch.arange(width, device=lengths.device) < lengths.unsqueeze(1)):
+        return None  # not right padding (left padding, holes): the plain forward handles it
     trained = loss_mask > 0
     first = torch.where(trained.any(dim=1), trained.float().argmax(dim=1), lengths - 1)  # first trained position
     # k = the first trained position: tokens 0..k-1 are shared; token k (the prompt's last) starts the suffix

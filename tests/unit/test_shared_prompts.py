@@ -96,6 +96,8 @@ def test_plan_is_none_when_sharing_saves_too_little(model_path):
     assert prefix.plan(distinct.input_ids, distinct.attention_mask, distinct.loss_mask) is None
     batch = batch_of(rows, model_path)
     assert prefix.plan(batch.input_ids, batch.attention_mask, batch.loss_mask, min_saving=0.99) is None
+    left = batch.attention_mask.flip(1)  # left padding: not what the plan's slicing assumes
+    assert prefix.plan(batch.input_ids, left, batch.loss_mask) is None
 
 
 # ------------------------------------------------------------------------------------------- the same arithmetic
