@@ -577,8 +577,8 @@ def test_hundreds_of_multi_turn_episodes_from_threads(engine, prompts):
 def test_hundreds_of_episodes_while_weights_load(model, prompts):
     """300 episodes from 3 threads while another thread alternates two weight states every ~20 ms: no deadlock,
     every completion comes from one version, and its tokens are that version's (checked against reference engines).
-    The loader waits until versions 1 and 2 have each served a completion, so both states are seen however loaded
-    the machine is (a CI run beside other jobs once saw only one)."""
+    The loader waits until versions 1 and 2 have each served a completion, and second turns wait for version 2, so
+    both states are seen however loaded the machine is and however fast the engine (runs have seen only one)."""
     states = {1: {k: v.clone() for k, v in tiny_model(1).state_dict().items()},
               2: {k: v.clone() for k, v in model.state_dict().items()}}
     served: list[tuple[GenerationRequest, object]] = []
@@ -600,6 +600,9 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
         async def episode(i: int) -> None:
             ids = list(prompts[i % 4])
             for turn in range(2):
+                deadline = time.monotonic() + 60
+                while turn == 1 and engine.version < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)  # a fast engine could finish every episode before the second load
                 r = req(tuple(ids), max_tokens=3, seed=i * 5 + turn)
                 [c] = await engine.generate([r])
                 served.append((r, c))
