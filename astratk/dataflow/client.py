@@ -207,8 +207,8 @@ class DataLayerClient:
             try:
                 return future.result(timeout=min(self.poll_s, left))
             except TimeoutError:
-                if future.done():  # the data layer's own TimeoutError, not the slice's
-                    raise
+                if future.done():  # the answer came as the slice ran out (or it is the data layer's own
+                    return future.result()  # TimeoutError, which this raises): done, so this does not wait
             if self.target is not target:  # another caller replaced it meanwhile
                 raise _Replaced
             # distributed raises "Worker holding Actor was lost" here when its scheduler says so

@@ -177,3 +177,27 @@ def test_a_slow_answer_is_waited_for_and_the_data_layers_own_timeout_is_not_retr
     with pytest.raises(TimeoutError, match="the data layer's own"):
         handle.status()
     assert time.monotonic() - t < 1.0 and handle.recoveries == 0
+
+
+class _AnsweredAsTheSliceEnds:
+    """The race: the answer arrives just after `result(timeout)` gave up on its slice, so `done()` is already true."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self, timeout=None):
+        if timeout is not None:
+            raise TimeoutError("timed out after 0.05 s.")  # the slice's, not the data layer's
+        return self.value
+
+    def done(self):
+        return True
+
+
+def test_an_answer_that_lands_as_a_slice_ends_is_returned_not_raised():
+    """A trainer once stopped on "TimeoutError: timed out after 0.5 s." from its next_batch: the slice's timeout was
+    taken for the data layer's own because the answer had arrived meanwhile."""
+    actor = Actor("DataLayer-1")
+    actor.__dict__["status"] = lambda: _AnsweredAsTheSliceEnds("ready")
+    handle = DataLayerClient(actor, call_timeout_s=TIMEOUT_S, recover=lambda: None, poll_s=0.05)
+    assert handle.status() == "ready" and handle.recoveries == 0
