@@ -38,6 +38,11 @@ REGISTRY: dict[str, dict[str, str]] = {
         "dppo_kl": "astratk.losses.dppo.DPPOBinaryKL",
         "dppo_topk_tv": "astratk.losses.dppo.DPPOTopKTV",
         "dppo_topk_kl": "astratk.losses.dppo.DPPOTopKKL",
+        "decoupled_ppo": "astratk.losses.decoupled_ppo.DecoupledPPO",
+        "gpg": "astratk.losses.gpg.GPG",
+        "gmpo": "astratk.losses.gmpo.GMPO",
+        "clip_cov": "astratk.losses.cov.ClipCov",
+        "kl_cov": "astratk.losses.cov.KLCov",
     },
     "env": {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",

@@ -234,6 +234,12 @@ class TrainerSpec:
     # through forward and backward (quickstart: 2.7x faster). Checked against the padded forward
     # on the first batch; a model that differs falls back with a warning. Off under FSDP.
     share_prompts: bool = True
+    # Optimiser updates per data-layer batch (PPO's mini-batches): the step's batch is cut into this
+    # many row slices, each one AdamW update in turn, and the weights are published once after the
+    # last. Losses that need the proximal policy (decoupled_ppo, DPPO recompute, TIS/MIS) get it
+    # from one no-grad forward before the first update, so their trust region binds on the later
+    # slices. 1: one update per batch. Versions and max_steps count batches, not updates.
+    updates_per_batch: int = 1
     # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv,
     # tensorboard, wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's
     # metrics.nc does not need them).
@@ -261,6 +267,10 @@ class TrainerSpec:
         (`astratk.validation`)."""
         _positive(key, max_steps=self.max_steps, groups_per_step=self.groups_per_step, lr=self.lr,
                   publish_every=self.publish_every, batch_timeout_s=self.batch_timeout_s)
+        u = self.updates_per_batch
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1:
+            raise ValueError(f"{key}.updates_per_batch must be an integer >= 1 (optimiser updates per "
+                             f"data-layer batch; 1 = one update), got {u!r}")
         _finite(key, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                 kl_coef=self.kl_coef, entropy_coef=self.entropy_coef)
         if self.max_time_s is not None and not self.max_time_s > 0:

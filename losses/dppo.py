@@ -14,8 +14,13 @@ bound of the true divergence (Binary <= Top-K <= full vocabulary):
 - topk_tv / topk_kl: cells = the engine's top-K tokens, the sampled token, and one "rest" cell (1 - the others,
   clamped at 1e-12); TV = 1/2 sum |p_mu - p_pi|, KL = sum p_mu log(p_mu / p_pi). The paper found no gain over Binary.
 C (`clip_ratio`) truncates the ratio: 5 in the paper's scaling runs, 10 in the authors' code; None disables it.
-anchor="recompute" (ablation only; the paper's Takeaway 2 is that it collapses) anchors r and D on the trainer's
-proximal log-probs pi_old instead of mu.
+Asymmetric thresholds: `delta_high` bounds tokens whose probability rises (A > 0, pi > the anchor) and `delta_low`
+tokens whose probability falls (A < 0, pi < the anchor); each defaults to `delta`. A larger delta_high lets rare
+tokens be reinforced further before the mask binds, as DAPO's clip-higher does for PPO's ratio.
+anchor="recompute" (ablation only; the paper's Takeaway 2 is that it collapses): the trust region (the divergence
+D_t and the direction test) is measured against the trainer's proximal log-probs pi_old (its no-grad forward at the
+start of the step) while the ratio r = pi / mu stays anchored on the engine, so the update is still importance
+weighted for the distribution that sampled. What changes is only *which* policy the region is centred on.
 
 Notes:
 - The scalar value of l_t is NOT the surrogate's value (-A r M); only the gradients agree (where r <= C). Compare
@@ -36,7 +41,7 @@ from dataclasses import replace
 import torch
 
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
-from astratk.losses._common import masked_max, masked_mean, ratio_metrics, sanitize, tokens
+from astratk.losses._common import masked_max, masked_mean, ratio_metrics, tokens
 
 DIVERGENCES = ("binary_kl", "binary_tv", "topk_kl", "topk_tv")
 ANCHORS = ("behavior", "recompute")
@@ -78,10 +83,14 @@ def topk_divergence(kind: str, logp: torch.Tensor, logmu: torch.Tensor, topk_log
 
 
 def dppo_keep(adv: torch.Tensor, logp: torch.Tensor, logmu: torch.Tensor, div: torch.Tensor,
-              delta: float) -> torch.Tensor:
-    """M_t as bool [B, T]: False iff the token moves away from mu (sign of A) and D_t > delta."""
-    away = ((adv > 0) & (logp > logmu)) | ((adv < 0) & (logp < logmu))
-    return ~(away & (div > delta))
+              delta_high: float, delta_low: float | None = None) -> torch.Tensor:
+    """M_t as bool [B, T]: False iff the token moves away from the anchor (sign of A) and D_t exceeds the threshold
+    of its direction: `delta_high` for tokens rising (A > 0, pi > anchor), `delta_low` (default: the same) for
+    tokens falling (A < 0, pi < anchor)."""
+    delta_low = delta_high if delta_low is None else delta_low
+    up = (adv > 0) & (logp > logmu) & (div > delta_high)
+    down = (adv < 0) & (logp < logmu) & (div > delta_low)
+    return ~(up | down)
 
 
 class DPPO(PolicyLoss):
@@ -102,7 +111,8 @@ class DPPO(PolicyLoss):
     """
 
     def __init__(self, divergence: str = "binary_tv", delta: float | None = None, clip_ratio: float | None = None,
-                 anchor: str = "behavior", top_k: int = 20) -> None:
+                 anchor: str = "behavior", top_k: int = 20, delta_low: float | None = None,
+                 delta_high: float | None = None) -> None:
         if divergence not in DIVERGENCES:
             raise ValueError(f"unknown DPPO divergence {divergence!r}; choose one of {sorted(DIVERGENCES)} "
                              "(binary_tv is the paper's default)")
@@ -111,6 +121,11 @@ class DPPO(PolicyLoss):
         if not delta > 0:  # also rejects NaN
             raise ValueError(f"delta must be > 0 (the divergence radius of the trust region); got "
                              f"{delta}. The paper uses 0.15 (or 0.2) for TV and 0.05 for KL; None picks these")
+        for name, value in (("delta_low", delta_low), ("delta_high", delta_high)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (the divergence radius for tokens whose probability "
+                                 f"{'falls' if name == 'delta_low' else 'rises'}); got {value}. None uses delta "
+                                 f"({delta})")
         if clip_ratio is not None and not clip_ratio >= 1:
             raise ValueError(f"clip_ratio must be >= 1 (C truncates r; C < 1 would truncate on-policy tokens, r = 1); "
                              f"got {clip_ratio}. The paper uses 5 (scaling runs) or 10 (code); None disables it")
@@ -125,13 +140,17 @@ class DPPO(PolicyLoss):
                              "does not compute top-K log-probs at the proximal weights. Use anchor='behavior' (the "
                              "paper's recommendation) or a binary divergence")
         self.divergence, self.delta, self.anchor, self.top_k = divergence, float(delta), anchor, top_k
+        self.delta_low = self.delta if delta_low is None else float(delta_low)
+        self.delta_high = self.delta if delta_high is None else float(delta_high)
         self.clip_ratio = None if clip_ratio is None else float(clip_ratio)
         self.needs_proximal = anchor == "recompute"  # trainer declarations (PolicyLoss), per instance
         self.needs_topk = top_k if divergence.startswith("topk") else 0
 
     def __repr__(self) -> str:
+        extra = "" if self.delta_low == self.delta_high == self.delta else (
+            f", delta_low={self.delta_low}, delta_high={self.delta_high}")
         return (f"{type(self).__name__}(divergence={self.divergence!r}, delta={self.delta}, "
-                f"clip_ratio={self.clip_ratio}, anchor={self.anchor!r}, top_k={self.top_k})")
+                f"clip_ratio={self.clip_ratio}, anchor={self.anchor!r}, top_k={self.top_k}{extra})")
 
     def _anchor(self, inputs: LossInputs) -> torch.Tensor:
         if self.anchor == "behavior":
@@ -162,16 +181,20 @@ class DPPO(PolicyLoss):
                 sampled)
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
-        anchored = replace(inputs, behavior_logprobs=self._anchor(inputs))
-        valid, mask, logp, logmu, adv, log_r, r = tokens(anchored)  # [B, T] each; logmu = the anchor, detached
+        valid, mask, logp, logmu, adv, log_r, r = tokens(inputs)  # [B, T] each; r = pi / mu, the engine's mu
         kind = self.divergence.split("_")[1]
         with torch.no_grad():
-            pi, mu_anchor = logp.detach().exp(), logmu.exp()  # [B, T] each, shared by divergence and metrics
+            if self.anchor == "behavior":
+                log_anchor = logmu
+            else:  # the trust region's centre only; r stays pi / mu
+                log_anchor = tokens(replace(inputs, behavior_logprobs=self._anchor(inputs))).logmu  # [B, T]
+            pi, anchor_p = logp.detach().exp(), log_anchor.exp()  # [B, T] each, shared by divergence and metrics
             if self.divergence.startswith("topk"):
-                div = topk_divergence(kind, logp, logmu, *self._topk(inputs, valid))  # [B, T]
+                div = topk_divergence(kind, logp, log_anchor, *self._topk(inputs, valid))  # [B, T]
             else:
-                div = binary_divergence(kind, logp, logmu, pi, mu_anchor)  # [B, T]
-            keep = dppo_keep(adv, logp, logmu, div, self.delta)  # [B, T] bool; True off the mask (A = 0 there)
+                div = binary_divergence(kind, logp, log_anchor, pi, anchor_p)  # [B, T]
+            # [B, T] bool; True off the mask (A = 0 there)
+            keep = dppo_keep(adv, logp, log_anchor, div, self.delta_high, self.delta_low)
             ratio = r if self.clip_ratio is None else r.clamp(max=self.clip_ratio)  # [B, T] sg(min(r, C))
             coef = adv * ratio * keep.to(r.dtype)  # [B, T]
         token_losses = -coef * logp * mask  # [B, T]; gradient -A sg(min(r, C)) M on log pi
@@ -180,7 +203,7 @@ class DPPO(PolicyLoss):
 
         with torch.no_grad():
             masked = (~keep).to(mask.dtype)  # [B, T] 1 where DPPO removed the gradient
-            mu = mu_anchor if self.anchor == "behavior" else sanitize(inputs.behavior_logprobs.detach(), valid).exp()
+            mu = logmu.exp()
             metrics = {
                 "masked_frac": masked_mean(masked, mask),
                 "masked_frac_pos": masked_mean(masked, valid & (adv > 0)),
@@ -188,8 +211,10 @@ class DPPO(PolicyLoss):
                 "divergence_mean": masked_mean(div, mask),
                 "divergence_max": masked_max(div, valid),
                 **ratio_metrics(r, log_r, mask, valid),
-                "tv_mean": masked_mean(pi.sub_(mu).abs_(), mask),  # mean |pi - mu| (the engine's mu): drift
+                "tv_mean": masked_mean((pi - mu).abs_(), mask),  # mean |pi - mu| (the engine's mu): drift
             }
+            if self.anchor == "recompute":  # how far the trust region's centre sits from the sampling policy
+                metrics["anchor_tv_mean"] = masked_mean((anchor_p - mu).abs_(), mask)
             if self.clip_ratio is not None:
                 metrics["truncated_frac"] = masked_mean((r > self.clip_ratio).to(mask.dtype), mask)
         return LossOutputs(token_losses=token_losses, mask=mask, metrics=metrics)
@@ -198,19 +223,22 @@ class DPPO(PolicyLoss):
 class DPPOBinaryKL(DPPO):
     """DPPO with the Binary-KL divergence (registry `dppo_kl`); delta defaults to 0.05."""
 
-    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, anchor: str = "behavior") -> None:
-        super().__init__("binary_kl", delta, clip_ratio, anchor)
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, anchor: str = "behavior",
+                 delta_low: float | None = None, delta_high: float | None = None) -> None:
+        super().__init__("binary_kl", delta, clip_ratio, anchor, delta_low=delta_low, delta_high=delta_high)
 
 
 class DPPOTopKTV(DPPO):
     """DPPO with the Top-K TV divergence (registry `dppo_topk_tv`); delta defaults to 0.15."""
 
-    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20) -> None:
-        super().__init__("topk_tv", delta, clip_ratio, "behavior", top_k)
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20,
+                 delta_low: float | None = None, delta_high: float | None = None) -> None:
+        super().__init__("topk_tv", delta, clip_ratio, "behavior", top_k, delta_low, delta_high)
 
 
 class DPPOTopKKL(DPPO):
     """DPPO with the Top-K KL divergence (registry `dppo_topk_kl`); delta defaults to 0.05."""
 
-    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20) -> None:
-        super().__init__("topk_kl", delta, clip_ratio, "behavior", top_k)
+    def __init__(self, delta: float | None = None, clip_ratio: float | None = None, top_k: int = 20,
+                 delta_low: float | None = None, delta_high: float | None = None) -> None:
+        super().__init__("topk_kl", delta, clip_ratio, "behavior", top_k, delta_low, delta_high)

@@ -9,6 +9,11 @@ A loss returns per-token losses `[B, T]` already multiplied by its effective mas
 | `seq-mean-token-mean` | (1/N) sum_i (sum_t l_it / n_i) | original GRPO, GSPO |
 | `seq-mean-token-sum` | (1/N) sum_i sum_t l_it | |
 | `seq-mean-token-sum-norm` | (1/N) sum_i (sum_t l_it / H), H = max completion length | Dr.GRPO, DPPO/DRPO recipes |
+| `token-sum` | sum_it l (no normaliser) | Tinker-style sum losses |
+
+`token-sum` makes the update's size grow with the batch's token count: scale the learning rate with the batch (a
+step of N tokens is N times one token's gradient). Under DDP each rank's sum is its numerator and the caller's
+world-size factor turns DDP's average back into the global sum.
 
 Empty sequences (n_i = 0: every token masked, e.g. by MIS) are COUNTED in N and contribute 0; implementations differ by
 exactly this factor (verl excludes them, TRL and UniRL count them) and astratk counts them. In
@@ -27,7 +32,8 @@ import torch
 
 from astratk.registry import check_choice
 
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                 "token-sum")
 
 Count = int | float | torch.Tensor
 
@@ -66,6 +72,8 @@ def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, mode: str, horizon
         raise ValueError(f"token_losses and mask must both be [B, T]; got {tuple(token_losses.shape)} and "
                          f"{tuple(mask.shape)}")
     mask = mask.to(token_losses.dtype)  # [B, T]
+    if mode == "token-sum":
+        return token_losses.sum()
     if mode == "token-mean":
         return token_losses.sum() / _denominator(global_tokens, mask.sum(), token_losses)
     seq_sums = token_losses.sum(dim=-1)  # [B]

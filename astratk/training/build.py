@@ -48,7 +48,7 @@ def module_args(spec: RunSpec, policy_id: str) -> dict[str, Any]:
             "horizon": ts.horizon or spec.rollout.max_new_tokens, "corrections": p.corrections,
             "kl_coef": ts.kl_coef, "kl_estimator": ts.kl_estimator,
             "entropy_coef": ts.entropy_coef, "micro_batch_tokens": ts.micro_batch_tokens,
-            "lora": p.model.lora, "share_prompts": ts.share_prompts}
+            "lora": p.model.lora, "share_prompts": ts.share_prompts, "updates_per_batch": ts.updates_per_batch}
 
 
 def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, model_path: str, *,

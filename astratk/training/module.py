@@ -6,9 +6,13 @@ log π comes from logits / T), call the loss, aggregate once (`astratk.training.
 
 Optional, all off by default (then the step is exactly the one above):
 - **Proximal log-probs** π_old, when the loss (`needs_proximal`) or any correction asks: a no-grad forward at the
-  step's weights before the grad forward (one optimiser step per batch, so micro-batches see the same weights). This is
-  the proximal policy π_old: tokens carry per-token weight versions, so π at each token's exact rollout
-  weights would take one forward per version and is impractical.
+  step's weights before the grad forward (micro-batches see the same weights). This is the proximal policy π_old:
+  tokens carry per-token weight versions, so π at each token's exact rollout weights would take one forward per
+  version and is impractical. With one update per batch π = π_old in value; with `updates_per_batch` > 1 it is the
+  policy the batch started from, computed once before the first update.
+- **Several updates per batch** (`updates_per_batch`, PPO's mini-batches): the batch's rows are cut into k slices,
+  one AdamW update each, inside one `training_step` (`_mini_batch_updates`); versions and `global_step` count
+  batches.
 - **Mismatch corrections** (`corrections`, `astratk.losses.corrections`), in order: weights *= w, loss_mask *= keep.
 - **Top-K log-probs** for a loss with `needs_topk`: log π at the engine's top-K ids, from the same logits.
 - **KL to a frozen reference** (`kl_coef` > 0; the reference is `reference_path`, default the starting model, loaded
@@ -95,7 +99,8 @@ class PolicyModule(pl.LightningModule):
                  reference_path: str | None = None, entropy_coef: float = _TRAINER.entropy_coef,
                  micro_batch_tokens: int | None = _TRAINER.micro_batch_tokens,
                  lora: LoraSpec | dict[str, Any] | None = None,
-                 share_prompts: bool = _TRAINER.share_prompts) -> None:
+                 share_prompts: bool = _TRAINER.share_prompts,
+                 updates_per_batch: int = _TRAINER.updates_per_batch) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["loss", "corrections", "lora"])
         self.lora = LoraSpec(**lora) if isinstance(lora, dict) else lora
@@ -110,6 +115,11 @@ class PolicyModule(pl.LightningModule):
             raise ValueError(f"micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or None (the whole "
                              f"step's batch in one forward); got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
+        if isinstance(updates_per_batch, bool) or not isinstance(updates_per_batch, int) or updates_per_batch < 1:
+            raise ValueError(f"updates_per_batch must be an integer >= 1 (optimiser updates per data-layer batch); "
+                             f"got {updates_per_batch!r}")
+        self.updates_per_batch = updates_per_batch
+        self._updated_earlier = False  # an earlier update of this step's batch changed the weights (see updates)
         # run each group's shared prompt once (`astratk.training.prefix`); None until checked on the first batch
         self.share_prompts: bool | None = None if share_prompts else False
         self.corrections, self.correction_names = check_corrections(corrections)
@@ -199,19 +209,97 @@ class PolicyModule(pl.LightningModule):
     def training_step(self, batch: TrainBatch, batch_idx: int) -> torch.Tensor:
         if self._trainer is not None:  # see optimizer_zero_grad
             self.zero_grad(set_to_none=True)
+        if self.updates_per_batch > 1:
+            return self._mini_batch_updates(batch)
+        loss, metrics = self._step(batch)
+        self._record(batch, self._loss_value(loss), metrics)
+        return loss
+
+    def _step(self, batch: TrainBatch, proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One update's loss (to back-propagate) and metrics on `batch`, whole or in micro-batches. `proximal`
+        [B, T]: the proximal log-probs when the caller computed them before earlier updates (mini-batches)."""
         chunks = micro_batches(batch, self.micro_batch_tokens)
         dummy = [False] * len(chunks)
         if self._sharded_root() is not None:  # FSDP: every rank runs the same number of forwards and backwards
             chunks, dummy = even_micro_batches(chunks, max_over_ranks(len(chunks), self.trainer.strategy))
         if len(chunks) == 1:
-            loss, metrics = self._whole_step(batch)
+            loss, metrics = self._whole_step(batch, proximal)
         elif self.loss.batch_statistics:
-            loss, metrics = self._two_pass_step(batch, chunks, dummy)
+            loss, metrics = self._two_pass_step(batch, chunks, dummy, proximal)
         else:
-            loss, metrics = self._accumulated_step(batch, chunks, dummy)
+            loss, metrics = self._accumulated_step(batch, chunks, dummy, proximal)
         metrics["micro_batches"] = float(len(chunks))
-        self._record(batch, self._loss_value(loss), metrics)
+        return loss, metrics
+
+    def _mini_batch_updates(self, batch: TrainBatch) -> torch.Tensor:
+        """`updates_per_batch` = k > 1 optimiser updates on one data-layer batch (PPO's mini-batches).
+
+        The rows are cut into k contiguous slices (advantages are per sample, already computed by the data layer, so
+        a group may straddle two slices). The proximal log-probs, when the loss or a correction needs them, come from
+        one no-grad forward of every slice *before* the first update: pi_prox is the policy the batch started from,
+        and pi / pi_prox drifts from 1 on the later slices, where a trust region on it binds. Slices 1..k-1 are
+        updated here: backward, gradients averaged over ranks under DDP, the callbacks' `on_before_optimizer_step`
+        (the divergence guard may skip one), clipping as Lightning clips, the optimiser step. The last slice's loss
+        is returned, so Lightning updates it like any step's. The recorded metrics are the mean over the k updates.
+        """
+        k = min(self.updates_per_batch, len(batch))
+        if self._sharded_root() is not None:
+            raise ValueError("trainer.updates_per_batch > 1 is not supported under FSDP (each update would need its "
+                             "own sharded optimiser step inside one Lightning step); use strategy ddp or one update")
+        if self._trainer is not None and getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError("trainer.updates_per_batch > 1 is not supported with fp16 loss scaling (precision "
+                             "16-mixed); use bf16-mixed or 32-true")
+        slices = [select_rows(batch, rows) for rows in torch.arange(len(batch)).tensor_split(k)]
+        proximal: list[torch.Tensor | None] = [None] * k
+        if self.needs_proximal:
+            proximal = [self._no_grad_logprobs(self.model, part) for part in slices]  # [b, t] each, at the start
+        self._updated_earlier = False
+        records: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        for part, prox in zip(slices[:-1], proximal[:-1]):
+            loss, metrics = self._step(part, prox)
+            self._backward(loss)
+            self._update()
+            records.append((self._loss_value(loss), metrics))
+        loss, metrics = self._step(slices[-1], proximal[-1])
+        records.append((self._loss_value(loss), metrics))
+        mean = {key: sum(float(m[key]) for _, m in records if key in m) / sum(key in m for _, m in records)
+                for key in dict.fromkeys(key for _, m in records for key in m)}
+        mean["updates"] = float(k)
+        self._record(batch, torch.stack([v.detach().float() for v, _ in records]).mean(), mean)
         return loss
+
+    def _update(self) -> None:
+        """One optimiser update inside `training_step` (mini-batches), with what Lightning does around its own:
+        the gradients averaged over ranks (DDP; inside the step's forward the reducer does not), the callbacks'
+        `on_before_optimizer_step` (the divergence guard), clipping, the step, zeroed gradients."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self._trainer is None:
+            raise RuntimeError("updates_per_batch > 1 needs the module attached to a Lightning Trainer")
+        trainer = self.trainer
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(trainer.world_size)
+        optimizer = self.optimizers()
+        raw = getattr(optimizer, "optimizer", optimizer)
+        self.step_skipped = False
+        for cb in trainer.callbacks:
+            cb.on_before_optimizer_step(trainer, self, raw)
+        skipped, self.step_skipped = self.step_skipped, False
+        if not skipped:
+            self.configure_gradient_clipping(raw, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            raw.step()
+            self._updated_earlier = True
+        raw.zero_grad(set_to_none=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mini-batches: the weights already changed in this step when an earlier update went through, so the step
+        is published even if the guard skips its last update."""
+        if self._updated_earlier:
+            self.step_skipped = False
+            self._updated_earlier = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         """-1 (Lightning: end the epoch, and so the fit, whose `should_stop` is set) when the data stream ended
@@ -232,16 +320,17 @@ class PolicyModule(pl.LightningModule):
 
     # -------------------------------------------------------------------------------------------- step variants
 
-    def _whole_step(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _whole_step(self, batch: TrainBatch, proximal: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The step in one forward: the loss to back-propagate, and the step's metrics."""
-        proximal = self._no_grad_logprobs(self.model, batch) if self.needs_proximal else None  # [B, T], before the
-        #   grad forward: the proximal policy (module docstring)
+        if proximal is None and self.needs_proximal:  # [B, T], before the grad forward: the proximal policy
+            proximal = self._no_grad_logprobs(self.model, batch)  # (module docstring)
         fwd = self._policy_forward(batch)
         token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, self._reference_logprobs(batch))
         return self._aggregate(token_losses, mask), metrics
 
-    def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None
-                          ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _accumulated_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None,
+                          given_proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Gradient accumulation for losses without batch statistics.
 
         A token's loss depends on its own sequence only (a loss that couples sequences declares `batch_statistics`),
@@ -259,7 +348,10 @@ class PolicyModule(pl.LightningModule):
         saved: list[tuple[torch.Tensor, PolicyForward, torch.Tensor | None, torch.Tensor | None]] = []
 
         def share(rows: torch.Tensor, part: TrainBatch, dummy: bool) -> torch.Tensor:
-            proximal = self._no_grad_logprobs(self.model, part) if self.needs_proximal else None  # [b, t]
+            if given_proximal is not None:  # [b, t] the rows of the proximal forward made before this step
+                proximal = given_proximal[rows, : part.loss_mask.shape[1]]
+            else:
+                proximal = self._no_grad_logprobs(self.model, part) if self.needs_proximal else None  # [b, t]
             fwd, ref = self._policy_forward(part), self._reference_logprobs(part)
             token_losses, mask, _ = self._loss_terms(part, fwd, proximal, ref)
             if dummy:
@@ -282,8 +374,8 @@ class PolicyModule(pl.LightningModule):
             last = last * ratio
         return last + (loss - last.detach()), metrics  # the last share's gradient, the step's loss value
 
-    def _two_pass_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None
-                       ) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _two_pass_step(self, batch: TrainBatch, chunks: list[torch.Tensor], dummy: list[bool] | None = None,
+                       given_proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Micro-batches for a loss with batch statistics (M2PO's second-moment cut): those need every token of the
         step in one loss call, so a micro-batch cannot compute its own share.
 
@@ -305,7 +397,8 @@ class PolicyModule(pl.LightningModule):
                 if not fake:  # a dummy runs the forwards (FSDP's collectives) and is not kept
                     saved.append(outputs)
         fwd, ref, _ = self._assemble(batch, saved)
-        proximal = fwd.logprobs.clone() if self.needs_proximal else None  # [B, T] no-grad π at the step's weights
+        proximal = given_proximal if given_proximal is not None else (  # [B, T] no-grad π at the step's weights
+            fwd.logprobs.clone() if self.needs_proximal else None)
         leaves = [t.requires_grad_() for t in _outputs(fwd)]
         token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, ref)
         loss = self._aggregate(token_losses, mask)

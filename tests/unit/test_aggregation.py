@@ -14,6 +14,7 @@ GOLDEN = {
     "seq-mean-token-mean": (6 / 3 + 4 / 1 + 0) / 3,  # 2.0; the empty sequence counts (verl's exclusion would give 3.0)
     "seq-mean-token-sum": (6 + 4 + 0) / 3,  # 3.3333
     "seq-mean-token-sum-norm": (6 / 4 + 4 / 4 + 0) / 3,  # 0.8333 with H = 4
+    "token-sum": 6 + 4,  # 10: no normaliser at all
 }
 
 
@@ -51,6 +52,14 @@ def test_ddp_split_with_global_counts_reproduces_full_batch(mode):
     assert (sum(ranks) / world).item() == pytest.approx(full.item())
 
 
+def test_token_sum_gradient_is_one_per_token_and_grows_with_the_batch():
+    raw = LOSSES.clone().requires_grad_()
+    aggregate(raw * MASK, MASK, "token-sum").backward()
+    torch.testing.assert_close(raw.grad, MASK)  # every loss token weighs 1, whatever its sequence's length
+    doubled = aggregate(torch.cat([LOSSES, LOSSES]), torch.cat([MASK, MASK]), "token-sum")
+    assert doubled.item() == 2 * GOLDEN["token-sum"]  # unlike every mean mode
+
+
 def test_gradient_flows_with_mode_weights():
     raw = torch.full_like(LOSSES, 5.0).requires_grad_()  # a loss's per-token values, then masked (LossOutputs contract)
     aggregate(raw * MASK, MASK, "seq-mean-token-mean").backward()
@@ -66,8 +75,8 @@ def test_norm_mode_needs_horizon(horizon):
 
 
 def test_unknown_mode_lists_choices():
-    with pytest.raises(ValueError, match="unknown aggregation 'token-sum'") as info:
-        check_aggregation("token-sum")
+    with pytest.raises(ValueError, match="unknown aggregation 'token_sum'") as info:
+        check_aggregation("token_sum")
     assert all(mode in str(info.value) for mode in AGGREGATIONS)
 
 

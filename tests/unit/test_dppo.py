@@ -209,7 +209,9 @@ def _ref_divergence(kind, mu, pi, s, top, binary):
 
 
 VARIANTS = [("binary_tv", 0.05, "behavior"), ("binary_kl", 0.01, "behavior"), ("topk_tv", 0.1, "behavior"),
-            ("topk_kl", 0.03, "behavior"), ("binary_tv", 0.05, "recompute"), ("binary_kl", 0.01, "recompute")]
+            ("topk_kl", 0.03, "behavior"), ("binary_tv", 0.05, "recompute"), ("binary_kl", 0.01, "recompute"),
+            ("binary_tv", (0.02, 0.1), "behavior"), ("topk_kl", (0.05, 0.01), "behavior"),
+            ("binary_tv", (0.1, 0.03), "recompute")]  # (delta_low, delta_high): asymmetric thresholds
 
 
 @pytest.mark.parametrize("divergence, delta, anchor", VARIANTS)  # recompute + top-K is rejected (test_bad_config)
@@ -217,24 +219,26 @@ VARIANTS = [("binary_tv", 0.05, "behavior"), ("binary_kl", 0.01, "behavior"), ("
 def test_autograd_matches_closed_form(divergence, delta, clip_ratio, anchor):
     mu, pi, old, s, top, adv = _random_batch(seed=3)
     gather = lambda p, ids: p.gather(-1, ids).log()
-    anc = old if anchor == "recompute" else mu  # the distribution r and D are anchored on
+    anc = old if anchor == "recompute" else mu  # the distribution D and the direction test are measured against
+    low, high = delta if isinstance(delta, tuple) else (delta, delta)
     logprobs = gather(pi, s[..., None])[..., 0].requires_grad_()
     inp = LossInputs(logprobs, gather(mu, s[..., None])[..., 0], adv, torch.ones_like(adv),
                      proximal_logprobs=gather(old, s[..., None])[..., 0] if anchor == "recompute" else None,
                      topk_ids=top, topk_behavior_logprobs=gather(mu, top), topk_logprobs=gather(pi, top),
                      sampled_ids=s)
-    out = DPPO(divergence, delta=delta, clip_ratio=clip_ratio, anchor=anchor, top_k=3)(inp)
+    out = DPPO(divergence, delta=0.5, delta_low=low, delta_high=high, clip_ratio=clip_ratio, anchor=anchor,
+               top_k=3)(inp)
     (grad,) = torch.autograd.grad(out.token_losses.sum(), logprobs)
 
     kind, binary = divergence.split("_")[1], divergence.startswith("binary")
     expected, n_masked, n_trunc = torch.zeros_like(adv), 0, 0
     for i, j in torch.cartesian_prod(torch.arange(adv.shape[0]), torch.arange(adv.shape[1])).tolist():
-        a_, p_ = anc[i, j].tolist(), pi[i, j].tolist()
+        a_, p_, m_ = anc[i, j].tolist(), pi[i, j].tolist(), mu[i, j].tolist()
         sid, A = s[i, j].item(), adv[i, j].item()
         d = _ref_divergence(kind, a_, p_, sid, top[i, j].tolist(), binary)
-        away = (A > 0 and p_[sid] > a_[sid]) or (A < 0 and p_[sid] < a_[sid])
-        m = 0.0 if away and d > delta else 1.0
-        r = p_[sid] / a_[sid]
+        up, down = A > 0 and p_[sid] > a_[sid], A < 0 and p_[sid] < a_[sid]
+        m = 0.0 if (up and d > high) or (down and d > low) else 1.0
+        r = p_[sid] / m_[sid]  # the ratio stays anchored on the engine's mu under either anchor
         c = r if clip_ratio is None else min(r, clip_ratio)  # dl/dlog pi = -A sg(min(r, C)) M
         expected[i, j] = -A * c * m
         n_masked, n_trunc = n_masked + (m == 0), n_trunc + (clip_ratio is not None and r > clip_ratio)
@@ -281,9 +285,10 @@ def test_gradcheck_float64(loss):
             "topk_ids": top, "sampled_ids": s}
 
     def f(lp):
-        anchor = lp.detach() - c  # [B, T]; with anchor="recompute" it is pi_old, and mu is left arbitrary
+        anchor = lp.detach() - c  # [B, T]; with anchor="recompute" it is pi_old, and mu another shift of lp
         if loss.anchor == "recompute":
-            return loss(LossInputs(lp, torch.zeros_like(lp), adv, mask, proximal_logprobs=anchor)).token_losses
+            return loss(LossInputs(lp, lp.detach() + 0.5 * c.flip(-1), adv, mask,
+                                   proximal_logprobs=anchor)).token_losses
         return loss(LossInputs(lp, anchor, adv, mask, **topk)).token_losses
     assert torch.autograd.gradcheck(f, (logprobs,))
 
@@ -316,7 +321,8 @@ def test_defaults_declarations_and_registry():
         assert resolve("loss", name)().divergence == divergence
     plain = to_plain(DPPOTopKKL(top_k=5))
     assert plain == {"class_path": "astratk.losses.dppo.DPPOTopKKL",
-                     "init_args": {"delta": 0.05, "clip_ratio": None, "top_k": 5}}
+                     "init_args": {"delta": 0.05, "clip_ratio": None, "top_k": 5, "delta_low": 0.05,
+                                   "delta_high": 0.05}}
     assert repr(DPPOTopKKL(**plain["init_args"])) == repr(DPPO("topk_kl", top_k=5)).replace("DPPO(", "DPPOTopKKL(")
     assert DPPOBinaryKL(clip_ratio=5).clip_ratio == 5.0 and DPPOTopKTV(top_k=4).needs_topk == 4
 
@@ -362,3 +368,34 @@ def test_missing_inputs_raise():
     bad.sampled_ids = bad.sampled_ids[:, :1]
     with pytest.raises(ValueError, match=r"sampled_ids must be \[B, T\] = \[1, 2\]"):
         DPPO("topk_tv", top_k=3)(bad)
+
+
+def test_asymmetric_thresholds_golden():
+    # Binary-TV, delta_low 0.25 (falling tokens), delta_high 0.15 (rising tokens):
+    # t0 mu .5 -> pi .7, A +1: rising, TV .2 > .15 -> masked, grad 0
+    # t1 mu .5 -> pi .3, A -1: falling, TV .2 <= .25 -> kept, grad -A r = .6
+    # t2 mu .5 -> pi .2, A -1: falling, TV .3 > .25 -> masked
+    # t3 mu .5 -> pi .62, A +1: rising, TV .12 <= .15 -> kept, grad -1.24
+    loss = DPPO(delta_low=0.25, delta_high=0.15)
+    inp = _inputs([0.7, 0.3, 0.2, 0.62], [0.5] * 4, [1.0, -1.0, -1.0, 1.0])
+    out = loss(inp)
+    torch.testing.assert_close(_grad(out, inp)[0], T_([0.0, 0.6, 0.0, -1.24]))
+    assert out.metrics["masked_frac"].item() == 0.5
+    assert (out.metrics["masked_frac_pos"].item(), out.metrics["masked_frac_neg"].item()) == (0.5, 0.5)
+    assert "delta_low=0.25, delta_high=0.15" in repr(loss) and "delta_low" not in repr(DPPO())
+    assert DPPO(delta=0.3).delta_low == DPPO(delta=0.3).delta_high == 0.3  # each defaults to delta
+    with pytest.raises(ValueError, match="delta_low must be > 0"):
+        DPPO(delta_low=0.0)
+    with pytest.raises(ValueError, match="delta_high must be > 0"):
+        DPPO(delta_high=float("nan"))
+
+
+def test_recompute_centres_the_region_on_pi_old_but_keeps_the_ratio_on_mu():
+    # mu .5, pi_old .6, pi .7, A +1. Against mu: TV .2 > .15 -> masked. Against pi_old: TV .1 -> kept, and the
+    # gradient is -A pi / mu = -1.4 (the importance weight of the distribution that sampled), not -pi / pi_old.
+    inp = _inputs([0.7], [0.5], [1.0], proximal_logprobs=torch.log(T_([[0.6]])))
+    assert _grad(DPPO()(inp), inp).item() == 0.0
+    out = DPPO(anchor="recompute")(inp)
+    assert _grad(out, inp).item() == pytest.approx(-1.4)
+    assert out.metrics["anchor_tv_mean"].item() == pytest.approx(0.1)
+    assert out.metrics["tv_mean"].item() == pytest.approx(0.2)  # drift is always against the engine's mu

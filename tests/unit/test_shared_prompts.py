@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import astratk.training.prefix as prefix
 from astratk.losses.corrections import TIS
 from astratk.losses.dppo import DPPOTopKTV
 from astratk.losses.drpo import DRPO
 from astratk.records import TrainBatch
+from astratk.training import prefix
 from astratk.training.logprobs import policy_forward
 from astratk.training.module import PolicyModule
 
