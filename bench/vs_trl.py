@@ -677,6 +677,10 @@ def main(argv: list[str] | None = None) -> None:
                    run_trl(args, lr, seed, marks, tmp, model_dir, env_file, evaluate, initial))
             run |= figures(run, initial, args.seconds) | {"phase": phase}
             runs.append(run)
+            # every finished run is on disk at once: a crash hours into the protocol keeps what it measured
+            partial = args.out / f"{args.model}.runs.json"
+            partial.write_text(json.dumps({"initial_accuracy": initial, "marks_s": marks, "runs": runs},
+                                          indent=1, default=float))
             if run.get("summary", {}).get("stopped_early"):
                 print(f"[{side}] stopped early: {run['summary']['stop_reason']}")
             print(f"[{side}] lr {lr:g} seed {seed}: {run['steps']} steps in {run['train_time_s']:.1f} s "
