@@ -367,6 +367,10 @@ class RolloutSpec:
     # The reward of every sample of a group whose scoring overran; null: the attempt fails and is
     # re-issued as a failed rollout is (counted either way).
     score_timeout_reward: float | None = None
+    # Roll out with weights this many versions behind the newest published (0: the newest). A stress
+    # test of off-policy learning (the stability benchmark's "forced staleness" regime): every sample
+    # is at least this stale, so set dataflow.max_staleness above it. Needs weights.keep_last > it.
+    weight_lag: int = 0
 
     def validate(self, key: str = "rollout") -> None:
         """Ranges; whether `engine` is known and installed is checked in `astratk.validation`."""
@@ -380,6 +384,10 @@ class RolloutSpec:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{key}.{name} must be > 0 seconds or null (unbounded), got {value}")
+        lag = self.weight_lag
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"{key}.weight_lag must be an integer >= 0 (versions behind the newest that "
+                             f"rollouts use; 0: the newest), got {lag!r}")
 
 
 @dataclass

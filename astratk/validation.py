@@ -70,6 +70,7 @@ def validate(spec: RunSpec) -> RunSpec:
         check_synchronous(spec)
     spec.eval.validate("eval")
     spec.weights.validate("weights")
+    check_weight_lag(spec)
     engine_dtype = check_engine_placement(spec)
     if (spec.weights.publish_dtype is not None and engine_dtype is not None
             and spec.weights.publish_dtype != engine_dtype):
@@ -289,6 +290,28 @@ def check_synchronous(spec: RunSpec) -> None:
             raise ValueError(f"policies[{i}].trainer.publish_every is {p.trainer.publish_every}; "
                              "dataflow.synchronous trains step k on version k's rollouts, so it "
                              "must be 1")
+
+
+def check_weight_lag(spec: RunSpec) -> None:
+    """`rollout.weight_lag` L: the store must still hold version newest - L, every sample is at least L versions
+    stale (so the staleness bound must admit it), and the synchronous mode trains version k on version k's
+    rollouts, which a lag contradicts."""
+    lag = spec.rollout.weight_lag
+    if not lag:
+        return
+    if spec.dataflow.synchronous:
+        raise ValueError(f"rollout.weight_lag is {lag} but dataflow.synchronous trains step k on version k's "
+                         "rollouts; use the asynchronous mode for a forced lag, or weight_lag: 0")
+    keep = spec.weights.keep_last
+    if keep is not None and keep <= lag:
+        raise ValueError(f"rollout.weight_lag is {lag} but weights.keep_last is {keep}: the store would have "
+                         f"deleted the version the rollouts ask for; set weights.keep_last to at least {lag + 1}")
+    for i, p in enumerate(spec.policies):
+        bound = spec.dataflow.max_staleness if p.trainer.max_staleness is None else p.trainer.max_staleness
+        if bound is not None and bound < lag:
+            raise ValueError(f"rollout.weight_lag is {lag} but policies[{i}]'s staleness bound is {bound} "
+                             f"(dataflow.max_staleness / trainer.max_staleness): every sample would be dropped "
+                             f"as stale; set the bound to at least {lag}, e.g. {lag + 2}")
 
 
 # ------------------------------------------------------------------------------------- at a run's start

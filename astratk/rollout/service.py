@@ -168,6 +168,19 @@ class RolloutService:
                 engine.load_weights(payload, ref.version)
         return engine.version
 
+    def _lagged_version(self, policy_id: str) -> int | None:
+        """With `rollout.weight_lag` L > 0: the version L behind the newest published, when that is newer than the
+        engine's (an engine never moves back); None otherwise, which `sync` reads as "the newest" for L = 0 and as
+        "stay" below."""
+        lag = self.spec.rollout.weight_lag
+        if not lag:
+            return None
+        ref = self.store.latest(policy_id)
+        current = self.engine(policy_id).version
+        if ref is None or ref.version - lag <= current:
+            return current
+        return ref.version - lag
+
     # ------------------------------------------------------------------------------------------------ rollout
     def rollout(self, leases: Sequence[Lease]) -> list[LeaseResult]:
         """Sync every routed engine to the newest weights, then roll out all leases concurrently. The worker's name
@@ -175,7 +188,7 @@ class RolloutService:
         from astratk.rollout.hardware import worker_hardware  # on a worker only: it imports distributed
 
         policies = sorted({p for lease in leases for p in lease.routes.values()})
-        synced = {pid: self.sync(pid) for pid in policies}
+        synced = {pid: self.sync(pid, version=self._lagged_version(pid)) for pid in policies}
         hardware, slowdown = worker_hardware()
         stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
         return run_episodes(self._rollout_all(leases, stamp, slowdown))

@@ -73,3 +73,37 @@ def test_threads_cluster_runs_the_same_path(tmp_path):
     result = Run(small_spec(tmp_path, processes=False, max_steps=3), printer=lambda s: None).start()
     assert result.summary["steps"] == 3 and result.summary["final_version"] == 3
     assert "<table>" in result._repr_html_()
+
+
+def test_weight_lag_forces_staleness_and_updates_per_batch_runs(tmp_path):
+    """`rollout.weight_lag: 2`: once two versions exist, rollouts use newest - 2, so every later step trains on
+    samples at least 2 versions old; with `trainer.updates_per_batch: 2` and decoupled PPO (which needs the proximal
+    forward) through the real path."""
+    from astratk.losses.decoupled_ppo import DecoupledPPO
+
+    spec = small_spec(tmp_path, max_steps=10, updates_per_batch=2)
+    spec.policies[0].loss = DecoupledPPO()
+    spec.rollout.weight_lag = 2
+    result = Run(spec.validate(), printer=lambda s: None).start()
+    assert result.summary["steps"] == 10 and result.summary["final_version"] == 10
+    ds = load(result.files["metrics"])
+    version = ds["train_policy_version"].sel(policy="main").values
+    newest_behaviour = ds["train_behavior_version_max"].sel(policy="main").values
+    later = version >= 4  # by then version newest - 2 >= 2 had been published for a while
+    assert later.any() and (version[later] - newest_behaviour[later] >= 2).all()
+    assert (ds["train_updates"].sel(policy="main").values == 2).all()
+    assert "loss_proximal_ratio_max" in ds and "loss_behavior_weight_max" in ds  # the loss got pi_prox (values:
+    #   tests/unit/test_updates_per_batch.py; this tiny model earns no reward, so its weights do not move here)
+
+
+def test_weight_lag_is_validated(tmp_path):
+    spec = small_spec(tmp_path)
+    spec.rollout.weight_lag = 9  # above max_staleness 8
+    with pytest.raises(ValueError, match="staleness bound is 8"):
+        spec.validate()
+    spec.rollout.weight_lag, spec.dataflow.max_staleness, spec.weights.keep_last = 5, 8, 4
+    with pytest.raises(ValueError, match="weights.keep_last is 4"):
+        spec.validate()
+    spec.rollout.weight_lag = -1
+    with pytest.raises(ValueError, match="weight_lag must be an integer >= 0"):
+        spec.validate()
