@@ -1,0 +1,378 @@
+"""The stability table: which policy losses stay stable when rollouts are off-policy (issue 16).
+
+Asynchronous training samples with weights older than the ones it trains; the papers this toolkit implements make
+claims about what that does to each loss (plain importance-sampled PG drifts and collapses, trust regions anchored on
+the rollout policy hold, DRPO's smooth region is at least as good as DPPO's hard mask, naive PPO degrades with
+staleness while the decoupled objective holds). This script measures them in miniature on this machine's CPU.
+
+Grid: losses x regimes x seeds, each cell one real run (`astratk.runtime.run.Run`: the in-process trainer and a local
+Dask cluster with one rollout worker), all from the quickstart's warm-started tiny model and task (arithmetic levels
+1-2; `--env math_word` for word problems, with its own warm-started model).
+
+Regimes (`REGIMES`):
+- `sync`: `dataflow.synchronous: true`; step k trains on version k's rollouts (staleness 0).
+- `async4`: asynchronous, `dataflow.max_staleness: 4` (the staleness this machine's pipeline produces by itself).
+- `stale16`: asynchronous with `rollout.weight_lag: 16`: every sample is at least 16 versions old (bound 20).
+- `bf16`: asynchronous, the engine samples in bfloat16 while the trainer computes log pi in float32: the training /
+  inference precision mismatch on top of async staleness (weights published in bf16).
+
+Every run makes `--updates` optimiser updates per batch (`trainer.updates_per_batch`, PPO's mini-batches; default 2):
+with one update per batch and no staleness pi = mu in value and every loss is the same policy gradient. Runs are
+step-based (`--steps` optimiser steps, capped at `--max-seconds`) so that regimes of different speed are compared at
+equal updates. Every `--eval-every` versions (and the last) the weights are kept and, after the run, evaluated on
+the env's first `--heldout` held-out tasks (greedy, the env's grader; the same function for every cell).
+
+Per cell: the held-out accuracy curve, final and best accuracy, a collapse flag (accuracy falls by more than half of
+its gain, or 10 points below the start, or the run had non-finite steps), mean and max |pi - mu| over the run, the
+loss's mask / clip / truncation fractions, skipped steps, steps and wall time. Results append to
+`--out/cells.jsonl` as each cell finishes (`--resume` skips cells already there), then `--out/stability.json`, the
+markdown table, a heat-map (`heatmap.png/.html`: median accuracy gain per loss and regime) and curves
+(`curves.png/.html`).
+
+    python bench/stability.py                      # the full grid (~2 h on 2 cores)
+    python bench/stability.py --quick              # smoke: 2 losses x 2 regimes x 1 seed, a few steps
+    python bench/stability.py --resume             # continue an interrupted grid
+    python bench/stability.py --cell drpo_d0.2:stale16:0   # rerun one cell (loss:regime:seed)
+    python bench/stability.py --losses drpo_d0.2,pg_is --regimes async4,stale16 --seeds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "tutorials" / "quickstart.yaml"
+
+# label -> (registry name, init args): every common choice, under its paper's defaults unless the label says
+LOSSES: dict[str, tuple[str, dict[str, Any]]] = {
+    "drpo_d0.05": ("drpo", {"delta": 0.05}),
+    "drpo_d0.2": ("drpo", {"delta": 0.2}),
+    "drpo_d1": ("drpo", {"delta": 1.0}),
+    "drpo_d12.5": ("drpo", {"delta": 12.5}),
+    "dppo_tv": ("dppo_tv", {}),
+    "dppo_kl": ("dppo_kl", {}),
+    "ppo_clip": ("ppo_clip", {}),
+    "decoupled_ppo": ("decoupled_ppo", {}),
+    "pg_is": ("pg_is", {}),
+    "cispo": ("cispo", {}),
+    "gspo": ("gspo", {}),
+    "m2po": ("m2po", {}),
+}
+REGIMES = ("sync", "async4", "stale16", "bf16")
+# seeds per regime in the full grid: the synchronous regime runs at half the speed, so it gets fewer (the budget)
+SEEDS = {"sync": 2, "async4": 3, "stale16": 3, "bf16": 3}
+ENVS = ("arithmetic", "math_word")
+COLLAPSE_DROP = 0.10  # accuracy this far below its start is a collapse even without a gain to lose
+
+
+# ---------------------------------------------------------------------------------------------------- one cell
+def cell_spec(args: argparse.Namespace, loss: str, regime: str, seed: int, out_dir: Path):
+    """The quickstart spec with the cell's loss, regime, seed and budget."""
+    from astratk.config import load_spec
+    from astratk.registry import resolve
+
+    overrides = ["--output_dir", str(out_dir), "--name", f"stab-{loss}-{regime}-s{seed}", "--seed", str(seed),
+                 "--eval.interval_s", "1000000000", "--eval.max_tasks", "16", "--progress", "false"]
+    spec = load_spec(CONFIG, overrides)
+    if args.env != "arithmetic":  # its own warm-started model: the model cache is keyed by the env too
+        spec.env = resolve("env", args.env)()
+    p = spec.policies[0]
+    name, init = LOSSES[loss]
+    p.loss = resolve("loss", name)(**init)
+    p.trainer.lr = args.lr
+    p.trainer.max_steps = args.steps
+    p.trainer.max_time_s = float(args.max_seconds)
+    p.trainer.updates_per_batch = args.updates
+    spec.weights.keep_last = None  # every version stays until the cell is evaluated (then the run is deleted)
+    if regime == "sync":
+        spec.dataflow.synchronous = True
+    elif regime == "async4":
+        spec.dataflow.max_staleness = 4
+    elif regime == "stale16":
+        spec.rollout.weight_lag, spec.dataflow.max_staleness = 16, 20
+    elif regime == "bf16":
+        spec.dataflow.max_staleness = 4
+        spec.rollout.engine_args = {**spec.rollout.engine_args, "dtype": "bfloat16"}
+        spec.weights.publish_dtype = "bfloat16"
+    else:
+        raise SystemExit(f"unknown regime {regime!r}; choose from {list(REGIMES)}")
+    return spec.validate()
+
+
+def _series(ds: Any, name: str) -> list[float]:
+    if name not in ds:
+        return []
+    values = ds[name].sel(policy=ds.policy.values[0]).values.tolist() if "policy" in ds[name].dims else \
+        ds[name].values.tolist()
+    return [float(v) for v in values]
+
+
+def _finite_mean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def run_cell(args: argparse.Namespace, loss: str, regime: str, seed: int, evaluate: Any, initial: float,
+             tmp: Path) -> dict[str, Any]:
+    from astratk.metrics import load
+    from astratk.runtime.run import Run
+    from astratk.weights.store import WeightStore
+
+    spec = cell_spec(args, loss, regime, seed, tmp / "runs")
+    pid = spec.policies[0].policy_id
+    lines: list[str] = []
+    wall = time.time()
+    run = Run(spec, printer=print if args.verbose else lines.append)
+    try:
+        result = run.start()
+    except BaseException:
+        print("\n".join(lines[-40:]))
+        raise
+    s = result.summary
+    store = WeightStore(run.session.deployment.store.url)
+    final = int(s.get("final_version", 0))
+    published = sorted({v for v in [*range(args.eval_every, final + 1, args.eval_every), final] if v > 0})
+    curve = [{"version": 0, "accuracy": initial}]
+    for v in published:
+        try:
+            state, _ = store.pull(pid, None, v)
+        except KeyError:  # a version the divergence guard skipped is never published
+            continue
+        curve.append({"version": v, "accuracy": evaluate(state)})
+    ds = load(result.files["metrics"])
+    fracs = {}
+    for var in ds.data_vars:
+        if var.startswith("loss_") and var.endswith("_frac"):
+            fracs[var[len("loss_"):]] = _finite_mean(_series(ds, var))
+    pi_mu_mean, pi_mu_max = _series(ds, "train_pi_mu_abs_mean"), _series(ds, "train_pi_mu_abs_max")
+    staleness = _series(ds, "train_staleness_mean")
+    skipped = _series(ds, "train_skipped_steps")
+    shutil.rmtree(result.run_dir, ignore_errors=True)
+    accs = [c["accuracy"] for c in curve]
+    best, last = max(accs), accs[-1]
+    gain = best - initial
+    nonfinite = bool(skipped and skipped[-1] > 0) or bool(s.get("stopped_early") and "divergence" in str(
+        s.get("stop_reason", "")))
+    collapsed = nonfinite or (gain > 0 and last < initial + gain / 2) or last < initial - COLLAPSE_DROP
+    return {"loss": loss, "regime": regime, "seed": seed, "env": args.env, "lr": args.lr, "updates": args.updates,
+            "steps": int(s.get("steps", 0)), "train_time_s": float(s.get("train_time_s", math.nan)),
+            "wall_s": time.time() - wall, "curve": curve, "initial": initial, "final": last, "best": best,
+            "collapsed": bool(collapsed), "nonfinite": nonfinite, "skipped_steps": int(skipped[-1]) if skipped else 0,
+            "pi_mu_abs_mean": _finite_mean(pi_mu_mean), "pi_mu_abs_max": max(pi_mu_max, default=math.nan),
+            "pi_mu_abs_mean_last": pi_mu_mean[-1] if pi_mu_mean else math.nan,
+            "staleness_mean": _finite_mean(staleness), "fractions": fracs,
+            "stopped_early": bool(s.get("stopped_early")), "stop_reason": s.get("stop_reason")}
+
+
+# ---------------------------------------------------------------------------------------------------- the grid
+def grid(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    if args.cell:
+        loss, regime, seed = args.cell.split(":")
+        return [(loss, regime, int(seed))]
+    cells = []
+    for regime in args.regime_list:
+        n = args.seeds if args.seeds is not None else (1 if args.quick else SEEDS[regime])
+        for seed in range(n):
+            cells.extend((loss, regime, seed) for loss in args.loss_list)
+    return cells
+
+
+def summarise(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    table: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in cells:
+        table.setdefault((c["loss"], c["regime"]), {"runs": []})["runs"].append(c)
+    for row in table.values():
+        runs = row["runs"]
+        row.update(final=statistics.median(r["final"] for r in runs), best=statistics.median(r["best"] for r in runs),
+                   gain=statistics.median(r["final"] - r["initial"] for r in runs),
+                   collapses=sum(r["collapsed"] for r in runs), n=len(runs),
+                   pi_mu=statistics.median(r["pi_mu_abs_mean"] for r in runs),
+                   pi_mu_max=max(r["pi_mu_abs_max"] for r in runs),
+                   wall_s=statistics.median(r["wall_s"] for r in runs),
+                   fractions={k: statistics.median(r["fractions"][k] for r in runs if k in r["fractions"])
+                              for k in sorted({k for r in runs for k in r["fractions"]})})
+    return table
+
+
+def markdown(table: dict[tuple[str, str], dict[str, Any]], losses: list[str], regimes: list[str]) -> str:
+    head = "| loss | " + " | ".join(regimes) + " |\n|---|" + "---|" * len(regimes) + "\n"
+    rows = []
+    for loss in losses:
+        cells = []
+        for regime in regimes:
+            row = table.get((loss, regime))
+            if row is None:
+                cells.append("-")
+                continue
+            mark = f" **{row['collapses']}/{row['n']} collapsed**" if row["collapses"] else ""
+            cells.append(f"{100 * row['final']:.1f}% (best {100 * row['best']:.1f}%, |π−μ| {row['pi_mu']:.3f})"
+                         f"{mark}")
+        rows.append(f"| {loss} | " + " | ".join(cells) + " |")
+    return head + "\n".join(rows)
+
+
+def clip_table(table: dict[tuple[str, str], dict[str, Any]], losses: list[str], regimes: list[str]) -> str:
+    """The loss's own mask / clip / truncation fractions (medians over seeds of each run's mean)."""
+    lines = ["| loss | regime | fractions (median over seeds of the run's mean) |", "|---|---|---|"]
+    for loss in losses:
+        for regime in regimes:
+            row = table.get((loss, regime))
+            if row and row["fractions"]:
+                text = ", ".join(f"{k} {v:.3f}" for k, v in row["fractions"].items())
+                lines.append(f"| {loss} | {regime} | {text} |")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: list[str], out: Path
+         ) -> dict[str, Path]:
+    import holoviews as hv
+    import hvplot.pandas  # noqa: F401
+    import pandas as pd
+
+    heat = pd.DataFrame([{"loss": loss, "regime": regime, "gain (points)": 100 * row["gain"],
+                          "collapsed": f"{row['collapses']}/{row['n']}"}
+                         for (loss, regime), row in table.items()])
+    heat["loss"] = pd.Categorical(heat["loss"], losses)
+    heat["regime"] = pd.Categorical(heat["regime"], regimes)
+    hm = heat.hvplot.heatmap(x="regime", y="loss", C="gain (points)", cmap="RdYlGn", width=520,
+                             height=40 * len(losses) + 120, hover_cols=["collapsed"],
+                             title="median held-out accuracy gain at the end (points)")
+    labels = hv.Labels(heat.assign(text=heat["gain (points)"].map("{:+.1f}".format)), kdims=["regime", "loss"],
+                       vdims=["text"])
+    heat_plot = hm * labels
+    rows = [{"loss": c["loss"], "regime": c["regime"], "seed": c["seed"], "step": p["version"],
+             "accuracy": 100 * p["accuracy"]} for c in cells for p in c["curve"]]
+    frame = pd.DataFrame(rows)
+    curves = frame.groupby(["loss", "regime", "step"], as_index=False)["accuracy"].median().hvplot.line(
+        x="step", y="accuracy", by="loss", groupby="regime", width=640, height=360,
+        title="held-out accuracy (median over seeds) against version").layout("regime").cols(2)
+    files = {}
+    for name, obj in (("heatmap", heat_plot), ("curves", curves)):
+        hv.save(obj, out / f"{name}.html")
+        files[f"{name}_html"] = out / f"{name}.html"
+        try:
+            hv.save(obj, out / f"{name}.png", fmt="png")
+            files[f"{name}_png"] = out / f"{name}.png"
+        except Exception as e:  # noqa: BLE001 - PNG export needs a browser driver; the HTML is always written
+            print(f"  PNG export of {name} failed ({type(e).__name__}: {e}); the HTML has it")
+    return files
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--losses", default=",".join(LOSSES), help=f"comma-separated labels from {list(LOSSES)}")
+    ap.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated from {list(REGIMES)}")
+    ap.add_argument("--seeds", type=int, default=None, help=f"seeds per cell (default per regime: {SEEDS})")
+    ap.add_argument("--env", choices=ENVS, default="arithmetic")
+    ap.add_argument("--steps", type=int, default=90, help="optimiser steps (data-layer batches) per run")
+    ap.add_argument("--max-seconds", type=float, default=150.0, help="training time cap per run")
+    ap.add_argument("--updates", type=int, default=2, help="trainer.updates_per_batch")
+    ap.add_argument("--lr", type=float, default=2e-4, help="learning rate of every run")
+    ap.add_argument("--eval-every", type=int, default=10, help="versions between evaluated snapshots")
+    ap.add_argument("--heldout", type=int, default=256, help="held-out tasks each snapshot is evaluated on")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stability")
+    ap.add_argument("--resume", action="store_true", help="skip cells already in --out/cells.jsonl")
+    ap.add_argument("--cell", default=None, help="run one cell, LOSS:REGIME:SEED (appended to cells.jsonl)")
+    ap.add_argument("--quick", action="store_true", help="smoke: 2 losses x 2 regimes x 1 seed, 6 steps, 32 tasks")
+    ap.add_argument("--verbose", action="store_true", help="show each run's own output")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.losses = "drpo_d0.2,pg_is" if args.losses == ",".join(LOSSES) else args.losses
+        args.regimes = "sync,stale16" if args.regimes == ",".join(REGIMES) else args.regimes
+        args.steps, args.heldout, args.eval_every, args.max_seconds = 6, 32, 3, 60.0
+    args.loss_list = [x.strip() for x in args.losses.split(",") if x.strip()]
+    args.regime_list = [x.strip() for x in args.regimes.split(",") if x.strip()]
+    for x in args.loss_list:
+        if x not in LOSSES:
+            ap.error(f"--losses: unknown {x!r}; choose from {list(LOSSES)}")
+    for x in args.regime_list:
+        if x not in REGIMES:
+            ap.error(f"--regimes: unknown {x!r}; choose from {list(REGIMES)}")
+    if args.cell:
+        parts = args.cell.split(":")
+        if len(parts) != 3 or parts[0] not in LOSSES or parts[1] not in REGIMES or not parts[2].isdigit():
+            ap.error(f"--cell {args.cell!r}: give LOSS:REGIME:SEED, e.g. drpo_d0.2:stale16:0 (losses {list(LOSSES)}, "
+                     f"regimes {list(REGIMES)})")
+    if args.steps < 1 or args.updates < 1 or args.eval_every < 1 or args.heldout < 1:
+        ap.error("--steps, --updates, --eval-every and --heldout must be >= 1")
+    if not args.lr > 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from vs_trl import HeldOut, torch_threads
+
+    from astratk.models.cache import ensure_model
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "cells.jsonl"
+    done: list[dict[str, Any]] = []
+    if (args.resume or args.cell) and log.exists():
+        done = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    elif log.exists():
+        log.unlink()  # a fresh grid
+    key = lambda c: (c["loss"], c["regime"], c["seed"], c["env"])
+    finished = {key(c) for c in done}
+    todo = [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished or args.cell]
+    with tempfile.TemporaryDirectory(prefix="stability-") as tmp_name:
+        tmp = Path(tmp_name)
+        spec = cell_spec(args, args.loss_list[0] if not args.cell else args.cell.split(":")[0],
+                         "async4", 0, tmp / "runs")
+        with torch_threads(1):
+            model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
+        evaluate = HeldOut(model_dir, spec.env, args.heldout, os.cpu_count() or 1)
+        initial = evaluate(evaluate.initial_state)
+        print(f"model {model_dir}: held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; {len(todo)} cells "
+              f"to run ({len(done)} already in {log})", flush=True)
+        for i, (loss, regime, seed) in enumerate(todo, 1):
+            t = time.time()
+            cell = run_cell(args, loss, regime, seed, evaluate, initial, tmp)
+            with log.open("a") as f:
+                f.write(json.dumps(cell, default=float) + "\n")
+            done = [c for c in done if key(c) != key(cell)] + [cell]
+            flag = " COLLAPSED" if cell["collapsed"] else ""
+            print(f"[{i}/{len(todo)}] {loss} {regime} seed {seed}: {cell['steps']} steps, accuracy "
+                  f"{100 * initial:.1f}% -> {100 * cell['final']:.1f}% (best {100 * cell['best']:.1f}%), |pi - mu| "
+                  f"{cell['pi_mu_abs_mean']:.3f}{flag}; {time.time() - t:.0f} s", flush=True)
+    cells = [c for c in done if c["env"] == args.env]
+    losses = [x for x in LOSSES if any(c["loss"] == x for c in cells)]
+    regimes = [x for x in REGIMES if any(c["regime"] == x for c in cells)]
+    table = summarise(cells)
+    text = markdown(table, losses, regimes)
+    fractions = clip_table(table, losses, regimes)
+    print(f"\n{args.env}: {len(cells)} runs, lr {args.lr:g}, {args.updates} updates per batch, {args.steps} steps per "
+          f"run; start {100 * initial:.1f}% on {args.heldout} held-out tasks\n\n{text}\n\n{fractions}")
+    payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
+               "initial": initial, "cells": cells, "table": text, "fractions": fractions,
+               "summary": [{"loss": lo, "regime": re, **{k: v for k, v in row.items() if k != "runs"}}
+                           for (lo, re), row in table.items()]}
+    (args.out / "stability.json").write_text(json.dumps(payload, indent=1, default=float))
+    files = {"json": args.out / "stability.json", "cells": log}
+    try:
+        files |= plot(cells, table, losses, regimes, args.out)
+    except Exception as e:  # noqa: BLE001 - the table and JSON are the results; a plotting failure is reported
+        print(f"plots failed: {type(e).__name__}: {e}")
+    print("\n" + "\n".join(f" {k}: {v}" for k, v in files.items()))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
