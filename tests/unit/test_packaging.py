@@ -35,21 +35,51 @@ def _pins(requirements):
     return out
 
 
-def test_environment_yml_matches_pyproject():
+# what a pip extra of a base dependency installs, as the conda-forge packages environment.yml must list for it
+CONDA_FOR_EXTRAS = {"jsonargparse[signatures]": ("docstring-parser", "typeshed-client"),
+                    "math-verify[antlr4_13_2]": ("antlr4-python3-runtime",)}
+
+
+def _environment():
+    """(conda-forge dependencies: name -> version spec, pip section: normalised requirement strings)."""
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    conda = {}
+    conda, pip_section = {}, set()
     for dep in env["dependencies"]:
-        if isinstance(dep, str) and dep not in ("pip",) and not dep.startswith("python="):
+        if isinstance(dep, dict):
+            pip_section |= {line.replace(" ", "") for line in dep.get("pip", [])}
+        elif dep not in ("pip",) and not dep.startswith("python="):
             name, _, spec = re.match(r"^([A-Za-z0-9_.\-]+)(([<>=!].*)?)$", dep).group(1, 0, 2)
             conda[name.lower().replace("_", "-")] = spec.replace(" ", "")  # conda-forge: huggingface_hub
-    pip = _pins(PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"])
+    return conda, pip_section
+
+
+def test_environment_yml_matches_pyproject():
+    conda, pip_section = _environment()
+    requirements = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]
+    pip = _pins(requirements)
     pip["pytorch"] = "==" + PYPROJECT["project"]["optional-dependencies"]["cpu"][0].split("==")[1]
     pip.pop("torch")
     pip["distributed"] = pip["dask"]
+    from_pip = {_pins([r]).popitem()[0] for r in requirements if r.replace(" ", "") in pip_section}
     for name, spec in pip.items():
-        assert name in conda, f"environment.yml lacks {name}"
+        if name in from_pip:  # not on conda-forge: installed by the pip section, with pyproject's own requirement
+            assert name not in conda, f"{name} is both a conda and a pip dependency in environment.yml"
+            continue
+        assert name in conda, f"environment.yml lacks {name} (add it, or the pyproject requirement to its pip section)"
         want = spec.replace("==", "=") if spec.startswith("==") else spec
         assert conda[name] == want, f"{name}: environment.yml has {conda[name]!r}, pyproject {spec!r}"
+    assert "-e." in pip_section and "math-verify" in from_pip
+
+
+def test_environment_yml_brings_what_the_pip_extras_bring():
+    conda, _ = _environment()
+    requirements = {re.match(r"^[A-Za-z0-9_.\-]+(\[[^\]]*\])?", r).group(0).lower(): r
+                    for r in PYPROJECT["project"]["dependencies"]}
+    for extra, packages in CONDA_FOR_EXTRAS.items():
+        assert extra in requirements, f"pyproject no longer asks for {extra}: update CONDA_FOR_EXTRAS"
+        for package in packages:
+            assert package in conda, f"environment.yml lacks {package}, which pip's {extra} installs"
+    assert conda["antlr4-python3-runtime"] == "=4.13.2"  # the runtime math-verify's antlr4_13_2 extra pins
 
 
 def test_import_astratk_starts_nothing():
