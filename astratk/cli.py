@@ -1,4 +1,6 @@
-"""`astratk` command line. `astratk run --config tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
+"""`astratk` command line. `astratk run -c tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
+
+`astratk run --help` documents every configuration key; `astratk --version` prints the version.
 
 Subcommands:
   run     a whole job: local cluster (or `cluster.scheduler_address`), data layer, rollouts, one trainer per policy
@@ -21,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"astratk {version('astratk')}")
+        except PackageNotFoundError:  # a source tree on sys.path, not installed
+            print("astratk (not installed: pip install -e .)")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":

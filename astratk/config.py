@@ -25,11 +25,14 @@ PLUGIN_KINDS = ("loss", "env", "correction", "stage")  # short names must be uni
 
 
 def parser() -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+    # every field's help is the docstring under it in astratk/spec.py (`astratk run --help` prints them)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     p = ArgumentParser(prog="astratk run", description="Run a whole local astratk job (see README).",
                        exit_on_error=False)
-    p.add_argument("--config", action=ActionConfigFile, help="a RunSpec YAML file (tutorials/quickstart.yaml)")
+    p.add_argument("-c", "--config", action=ActionConfigFile,
+                   help="a RunSpec YAML file (tutorials/quickstart.yaml); later flags override it")
     p.add_class_arguments(RunSpec, None)
     return p
 
@@ -138,7 +141,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def parse(argv: list[str]) -> RunSpec:
     """Parse CLI-style arguments (`--config FILE` plus dotted overrides) into a validated RunSpec."""
     # --config=FILE as --config FILE: every config file is read here (strictly), never by jsonargparse's own loader
-    args = [part for a in argv for part in (a.split("=", 1) if a.startswith("--config=") else [a])]
+    args = [part for a in argv for part in (a.split("=", 1) if a.startswith(("--config=", "-c=")) else [a])]
+    args = ["--config" if a == "-c" else a for a in args]
     for i, a in enumerate(args):
         if a == "--config":
             if i + 1 >= len(args):

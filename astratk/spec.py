@@ -41,23 +41,30 @@ class TinyModelSpec:
     empty)."""
 
     hidden_size: int = 128
+    """width of the model (embedding and hidden states)"""
     num_layers: int = 4
-    # head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)
+    """decoder layers"""
     num_heads: int = 4
+    """head dimension = hidden_size / num_heads must be >= 32 (vLLM CPU attention)"""
     num_kv_heads: int = 2
+    """key/value heads (grouped-query attention); num_heads must be a multiple of it"""
     intermediate_size: int = 384
-    # Longest sequence (prompt + every turn) the model serves; multi-turn envs (search, agents) need
-    # more than 256. Engines size their KV cache by it (vLLM: max_batch x max_positions tokens).
+    """width of each layer's MLP"""
     max_positions: int = 256
-    # Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start
-    # from well-formed, partly right answers. It stops once the running exact-match on unseen train
-    # batches reaches the target (None: run every step); the steps are a cap. Default arithmetic
-    # env: ~30% held-out in under a minute on one thread.
+    """Longest sequence (prompt + every turn) the model serves; multi-turn envs (search, agents) need more than 256.
+    Engines size their KV cache by it (vLLM: max_batch x max_positions tokens)."""
     warm_start_steps: int = 1000
+    """Supervised warm start on the env's demonstrations (astratk.models.warm_start): RL should start from well-formed,
+    partly right answers. It stops once the running exact-match on unseen train batches reaches the target (None: run
+    every step); the steps are a cap. Default arithmetic env: ~30% held-out in under a minute on one thread."""
     warm_start_batch: int = 32
+    """demonstrations per warm-start step"""
     warm_start_lr: float = 1e-3
+    """learning rate of the warm start (AdamW)"""
     warm_start_target: float | None = 0.3
+    """stop the warm start once the running exact-match reaches this (null: run every step)"""
     seed: int = 0
+    """seed of the model's initial weights and of the warm start's batches"""
 
     def validate(self, key: str = "model.tiny") -> None:
         """Every shape the engines can serve and every warm-start setting (`astratk.models.tiny` builds
@@ -91,17 +98,17 @@ class LoraSpec:
     store publishes the adapter tensors only and engines apply them on one shared copy of the base
     (`astratk.models.lora`; README, "LoRA"). `ModelSpec.lora: null` trains every weight."""
 
-    # rank of each adapter's update B @ A
     r: int = 8
-    # the update is scaled by alpha / r
+    """rank of each adapter's update B @ A"""
     alpha: float = 16.0
-    # dropout on the adapters' input while training (0: off). Above 0 the trainer's log-probs carry
-    # dropout noise, so on-policy ratios are no longer exactly 1.
+    """the update is scaled by alpha / r"""
     dropout: float = 0.0
-    # the model's layers to adapt, by name or name suffix as PEFT matches them (each must name at
-    # least one Linear, Embedding or Conv layer of the model)
+    """dropout on the adapters' input while training (0: off). Above 0 the trainer's log-probs carry dropout noise, so
+    on-policy ratios are no longer exactly 1."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
                                                                "o_proj"])
+    """the model's layers to adapt, by name or name suffix as PEFT matches them (each must name at least one Linear,
+    Embedding or Conv layer of the model)"""
 
     def validate(self, key: str = "model.lora") -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -122,18 +129,17 @@ class LoraSpec:
 
 @dataclass
 class ModelSpec:
-    # An HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id (org/name),
-    # resolved through huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN); None builds
-    # the tiny model
     path: str | None = None
-    # A Hub id's branch, tag or commit (None: main). A run pins it to the commit it resolved, in
-    # its config.yaml.
+    """An HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id (org/name), resolved through
+    huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN); None builds the tiny model"""
     revision: str | None = None
+    """A Hub id's branch, tag or commit (None: main). A run pins it to the commit it resolved, in its config.yaml."""
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
-    # default: $ASTRATK_CACHE or ~/.cache/astratk
+    """the built-in tiny model, built and warm-started when `path` is empty (cached by its settings and the env)"""
     cache_dir: str | None = None
-    # LoRA adapters instead of full fine-tuning (None: every weight trains)
+    """where built tiny models are cached; None: $ASTRATK_CACHE or ~/.cache/astratk"""
     lora: LoraSpec | None = None
+    """LoRA adapters instead of full fine-tuning (None: every weight trains)"""
 
     def validate(self, key: str) -> None:
         """Cheap checks only: a local directory must hold config.json; a Hub id is resolved (and
@@ -167,14 +173,13 @@ class DivergenceSpec:
     `train/<policy>/skipped_steps`. `max_skips` skipped steps in a row stop the run, saying why. The
     defaults never fire on a healthy run: finite values, and norms within 100x of their median."""
 
-    # a gradient norm above this many times the running median is a spike; null: only non-finite
-    # loss or gradient norm skips a step
     spike_factor: float | None = 100.0
-    # accepted steps whose gradient norms make the running median (spikes are looked for once it
-    # holds 10)
+    """a gradient norm above this many times the running median is a spike; null: only non-finite loss or gradient norm
+    skips a step"""
     window: int = 100
-    # skipped steps in a row that stop the run
+    """accepted steps whose gradient norms make the running median (spikes are looked for once it holds 10)"""
     max_skips: int = 3
+    """skipped steps in a row that stop the run"""
 
     def validate(self, key: str = "trainer.divergence") -> None:
         f = self.spike_factor
@@ -195,72 +200,76 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true
 @dataclass
 class TrainerSpec:
     max_steps: int = 200
-    # stop training after this many seconds (None: run max_steps)
+    """optimiser steps (data-layer batches) to train; max_time_s may end training earlier"""
     max_time_s: float | None = None
-    # prompts per optimiser step (each with rollout.group_size samples)
+    """stop training after this many seconds (None: run max_steps)"""
     groups_per_step: int = 16
+    """prompts per optimiser step (each with rollout.group_size samples)"""
     lr: float = 1e-4
+    """AdamW learning rate"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
-    # publish weights every k optimiser steps
+    """clip the gradient's global norm to this before each update (0: no clipping)"""
     publish_every: int = 1
-    # Write each publication on a background thread while the next step computes: the trainer only
-    # copies the weights out (one write in flight; checkpoints and the end of training wait for it).
-    # False: the trainer blocks until the store has the version. The synchronous mode always blocks.
+    """publish weights every k optimiser steps"""
     publish_in_background: bool = True
+    """Write each publication on a background thread while the next step computes: the trainer only copies the weights
+    out (one write in flight; checkpoints and the end of training wait for it). False: the trainer blocks until the
+    store has the version. The synchronous mode always blocks."""
     aggregation: str = "seq-mean-token-sum-norm"
-    # H for seq-mean-token-sum-norm; None = rollout.max_new_tokens
+    """how per-token losses become the step's loss: token-mean, seq-mean-token-mean, seq-mean-token-sum,
+    seq-mean-token-sum-norm (Dr. GRPO; the default) or token-sum"""
     horizon: int | None = None
-    # longest wait for one step's batch: then the run stops early, saying what became of the data (the
-    # wait also ends, normally, at max_time_s)
+    """H for seq-mean-token-sum-norm; None = rollout.max_new_tokens"""
     batch_timeout_s: float = 300.0
-    # > 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)
+    """longest wait for one step's batch: then the run stops early, saying what became of the data (the wait also ends,
+    normally, at max_time_s)"""
     kl_coef: float = 0.0
-    # k3 (non-negative) or k1 (astratk.training.regularizers)
+    """> 0: add kl_coef * KL(pi || reference) per token (reference = the starting model)"""
     kl_estimator: str = "k3"
-    # > 0: subtract entropy_coef * H(pi) per token (entropy bonus)
+    """k3 (non-negative) or k1 (astratk.training.regularizers)"""
     entropy_coef: float = 0.0
-    # this policy's staleness bound; None: dataflow.max_staleness
+    """> 0: subtract entropy_coef * H(pi) per token (entropy bonus)"""
     max_staleness: int | None = None
-    # save a Lightning checkpoint (and a matching data-layer snapshot) every k steps into
-    # <run dir>/checkpoints/<policy>; None: no checkpoints
+    """this policy's staleness bound; None: dataflow.max_staleness"""
     checkpoint_every: int | None = None
-    # Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x
-    # longest row) and accumulate their gradients: activation memory scales with it, the update is
-    # the same. None: one forward.
+    """save a Lightning checkpoint (and a matching data-layer snapshot) every k steps into <run
+    dir>/checkpoints/<policy>; None: no checkpoints"""
     micro_batch_tokens: int | None = None
-    # Run each distinct prompt of a step's batch once and continue every sample from its cache
-    # (the G samples of a group share their prompt): the same log-probs and gradients, fewer tokens
-    # through forward and backward (quickstart: 2.7x faster). Checked against the padded forward
-    # on the first batch; a model that differs falls back with a warning. Off under FSDP.
+    """Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x longest row) and
+    accumulate their gradients: activation memory scales with it, the update is the same. None: one forward."""
     share_prompts: bool = True
-    # Optimiser updates per data-layer batch (PPO's mini-batches): the step's batch is cut into this
-    # many row slices, each one AdamW update in turn, and the weights are published once after the
-    # last. Losses that need the proximal policy (decoupled_ppo, DPPO recompute, TIS/MIS) get it
-    # from one no-grad forward before the first update, so their trust region binds on the later
-    # slices. 1: one update per batch. Versions and max_steps count batches, not updates.
+    """Run each distinct prompt of a step's batch once and continue every sample from its cache (the G samples of a
+    group share their prompt): the same log-probs and gradients, fewer tokens through forward and backward
+    (quickstart: 2.7x faster). Checked against the padded forward on the first batch; a model that differs falls back
+    with a warning. Off under FSDP."""
     updates_per_batch: int = 1
-    # Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv,
-    # tensorboard, wandb (offline unless WANDB_MODE is set), mlflow; [] for none (the run's
-    # metrics.nc does not need them).
+    """Optimiser updates per data-layer batch (PPO's mini-batches): the step's batch is cut into this many row slices,
+    each one AdamW update in turn, and the weights are published once after the last. Losses that need the proximal
+    policy (decoupled_ppo, DPPO recompute, TIS/MIS) get it from one no-grad forward before the first update, so their
+    trust region binds on the later slices. 1: one update per batch. Versions and max_steps count batches, not
+    updates."""
     loggers: list[str] = field(default_factory=lambda: ["csv"])
-    # Where and how the trainer runs, with Lightning's own names and meaning (`pl.Trainer`).
-    # accelerator: auto (the GPU when torch sees one), cpu, gpu / cuda, mps.
+    """Lightning loggers of the trainer's per-step metrics, by name (astratk.training.loggers): csv, tensorboard, wandb
+    (offline unless WANDB_MODE is set), mlflow; [] for none (the run's metrics.nc does not need them)."""
     accelerator: str = "auto"
-    # Devices per trainer process. A run's in-process trainer uses one; more is data parallel in a
-    # trainer job (`astratk train fit`).
+    """Where and how the trainer runs, with Lightning's own names and meaning (`pl.Trainer`). accelerator: auto (the GPU
+    when torch sees one), cpu, gpu / cuda, mps."""
     devices: int = 1
-    # auto: bf16-mixed on a CUDA GPU with bf16, else 32-true; or any of PRECISIONS.
+    """Devices per trainer process. A run's in-process trainer uses one; more is data parallel in a trainer job
+    (`astratk train fit`)."""
     precision: str = "auto"
-    # Lightning's strategy name (auto, ddp, fsdp...).
+    """auto: bf16-mixed on a CUDA GPU with bf16, else 32-true; or any of PRECISIONS."""
     strategy: str = "auto"
-    # On a GPU: the share of its memory this trainer's process may allocate (torch's
-    # set_per_process_memory_fraction), so that a rollout worker on the same GPU keeps its own
-    # (rollout.engine_args.gpu_memory_utilization); checked at start against the others. None: no cap.
+    """Lightning's strategy name (auto, ddp, fsdp...)."""
     gpu_memory_fraction: float | None = None
-    # Skip steps whose loss or gradient norm is not finite or spikes, and stop after
-    # divergence.max_skips of them in a row (DivergenceSpec); null: no guard.
+    """On a GPU: the share of its memory this trainer's process may allocate (torch's set_per_process_memory_fraction),
+    so that a rollout worker on the same GPU keeps its own (rollout.engine_args.gpu_memory_utilization); checked at
+    start against the others. None: no cap."""
     divergence: DivergenceSpec | None = field(default_factory=DivergenceSpec)
+    """Skip steps whose loss or gradient norm is not finite or spikes, and stop after divergence.max_skips of them in a
+    row (DivergenceSpec); null: no guard."""
 
     def validate(self, key: str = "trainer") -> None:
         """Ranges; `aggregation` and `loggers` name entries of other modules' tables
@@ -317,13 +326,18 @@ class TrainerSpec:
 @dataclass
 class PolicySpec:
     policy_id: str = "main"
-    # env roles this policy plays
+    """this policy's name: weight versions, metrics and env roles refer to it"""
     roles: list[str] = field(default_factory=lambda: ["policy"])
+    """env roles this policy plays"""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """the model this policy trains: a directory or Hub id, or the built-in tiny model"""
     loss: PolicyLoss = field(default_factory=lambda: _default("loss", "drpo"))
+    """the policy loss, as class_path (a short name such as drpo, dppo_tv, ppo_clip, decoupled_ppo, or a dotted path)
+    and init_args; DRPO by default"""
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
-    # mismatch corrections, applied in order
+    """the trainer of this policy (Lightning): budget, optimiser, placement"""
     corrections: list[TokenCorrection] = field(default_factory=list)
+    """mismatch corrections, applied in order"""
 
     def validate(self, key: str = "policies[0]") -> None:
         """Its own fields; which env roles exist is the env's business (`astratk.validation`)."""
@@ -343,34 +357,36 @@ class PolicySpec:
 @dataclass
 class RolloutSpec:
     engine: str = "torch"
-    # samples per task; one group
+    """inference engine of the rollout workers: torch (built in) or vllm"""
     group_size: int = 8
+    """samples per task; one group"""
     temperature: float = 1.0
+    """sampling temperature of training rollouts (> 0); the trainer computes log-probs at the same temperature"""
     max_new_tokens: int = 8
-    # tasks per rollout Dask task (their episodes share engine batches)
+    """most tokens the policy generates per turn"""
     tasks_per_chunk: int = 8
-    # acquisition keeps this many chunks in flight per rollout worker
+    """tasks per rollout Dask task (their episodes share engine batches)"""
     max_inflight_chunks: int = 2
-    # most sequences the engine decodes together
+    """acquisition keeps this many chunks in flight per rollout worker"""
     max_batch: int = 512
-    # extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} (this
-    # engine's share of its GPU, torch and vllm); torch also takes device (auto, cpu, cuda, cuda:N)
-    # and dtype (auto: bfloat16 on a GPU with bf16, else float32)
+    """most sequences the engine decodes together"""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    # Seconds one episode (every turn and env step of one sample) may take. An episode that overruns
-    # fails its task's attempt, which the data layer re-issues (up to dataflow.max_task_attempts,
-    # then drops it, counted). null: unbounded.
+    """extra keyword arguments for the engine's constructor, e.g. {gpu_memory_utilization: 0.4} (this engine's share of
+    its GPU, torch and vllm); torch also takes device (auto, cpu, cuda, cuda:N) and dtype (auto: bfloat16 on a GPU
+    with bf16, else float32)"""
     episode_timeout_s: float | None = 600.0
-    # Seconds one task's scoring (env.score over its group: reward functions, graders) may take.
-    # null: unbounded.
+    """Seconds one episode (every turn and env step of one sample) may take. An episode that overruns fails its task's
+    attempt, which the data layer re-issues (up to dataflow.max_task_attempts, then drops it, counted). null:
+    unbounded."""
     score_timeout_s: float | None = 120.0
-    # The reward of every sample of a group whose scoring overran; null: the attempt fails and is
-    # re-issued as a failed rollout is (counted either way).
+    """Seconds one task's scoring (env.score over its group: reward functions, graders) may take. null: unbounded."""
     score_timeout_reward: float | None = None
-    # Roll out with weights this many versions behind the newest published (0: the newest). A stress
-    # test of off-policy learning (the stability benchmark's "forced staleness" regime): every sample
-    # is at least this stale, so set dataflow.max_staleness above it. Needs weights.keep_last > it.
+    """The reward of every sample of a group whose scoring overran; null: the attempt fails and is re-issued as a failed
+    rollout is (counted either way)."""
     weight_lag: int = 0
+    """Roll out with weights this many versions behind the newest published (0: the newest). A stress test of off-policy
+    learning (the stability benchmark's "forced staleness" regime): every sample is at least this stale, so set
+    dataflow.max_staleness above it. Needs weights.keep_last > it."""
 
     def validate(self, key: str = "rollout") -> None:
         """Ranges; whether `engine` is known and installed is checked in `astratk.validation`."""
@@ -396,13 +412,13 @@ class SnapshotSpec:
     writes one at every trainer checkpoint step (`trainer.checkpoint_every`), which `resume_from`
     pairs with that checkpoint."""
 
-    # fsspec URL; None: <run dir>/datalayer
     url: str | None = None
-    # periodic: when every k-th step's batch is served (the state a replacement actor continues from
-    # without serving a group twice); None: off
+    """fsspec URL; None: <run dir>/datalayer"""
     every_steps: int | None = 1
-    # periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)
+    """periodic: when every k-th step's batch is served (the state a replacement actor continues from without serving a
+    group twice); None: off"""
     keep_last: int = 3
+    """periodic snapshots kept (checkpoint-paired ones are kept as long as their checkpoints)"""
 
     def validate(self, key: str = "dataflow.snapshot") -> None:
         if self.every_steps is not None and self.every_steps < 1:
@@ -417,46 +433,42 @@ class DataflowSpec:
     """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages`
     documents each)."""
 
-    # drop groups whose oldest token is more than this many versions behind
     max_staleness: int = 4
-    # a leased task not admitted by then is re-issued
+    """drop groups whose oldest token is more than this many versions behind"""
     lease_timeout_s: float = 120.0
-    # group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)
+    """a leased task not admitted by then is re-issued"""
     advantage: str = "dr_grpo"
-    # drop groups whose rewards are all equal (no learning signal), counted; sugar for a
-    # `zero_variance` filter first in `filters`
+    """group advantage: dr_grpo | grpo | rloo (astratk.dataflow.advantages)"""
     filter_zero_variance: bool = True
-    # a task whose rollout failed this many times is dropped, counted
+    """drop groups whose rewards are all equal (no learning signal), counted; sugar for a `zero_variance` filter first
+    in `filters`"""
     max_task_attempts: int = 3
-    # back-pressure: lease only while buffered + in-flight tasks < this many steps' worth
+    """a task whose rollout failed this many times is dropped, counted"""
     prefetch_steps: float = 2.0
-    # before rollout: every curator must accept a new task (accept_all | filter_solved | greso |
-    # curriculum)
+    """back-pressure: lease only while buffered + in-flight tasks < this many steps' worth"""
     curators: list[Curator] = field(default_factory=list)
-    # lease() raises after this many tasks in a row refused by curators
+    """before rollout: every curator must accept a new task (accept_all | filter_solved | greso | curriculum)"""
     max_curator_skips: int = 10_000
-    # after rollout: groups a filter rejects are dropped, counted by reason (zero_variance |
-    # length_filter | ...)
+    """lease() raises after this many tasks in a row refused by curators"""
     filters: list[GroupFilter] = field(default_factory=list)
-    # at serving: a served group's weight is lag_decay ** (current version - its version); 1.0 = no
-    # decay
+    """after rollout: groups a filter rejects are dropped, counted by reason (zero_variance | length_filter | ...)"""
     lag_decay: float = 1.0
-    # fifo | edf
+    """at serving: a served group's weight is lag_decay ** (current version - its version); 1.0 = no decay"""
     order: ServingOrder = field(default_factory=FIFO)
-    # a replay share of every batch (class_path: replay)
+    """fifo | edf"""
     replay: Replay | None = None
-    # per-env shares of every batch, by task.env (class_path: mixing)
+    """a replay share of every batch (class_path: replay)"""
     mixing: Mixing | None = None
-    # multi-policy: a policy's step-k batch is served only once every other policy has version
-    # >= k - version_barrier (0: lock-step versions, so evaluations pair equal versions); None:
-    # policies advance independently
+    """per-env shares of every batch, by task.env (class_path: mixing)"""
     version_barrier: int | None = None
-    # the switch for the synchronous deterministic mode (the benchmarks' baseline, and the mode in
-    # which resume is exact): rollouts for step k start only after version k is published, and a
-    # round of tasks is admitted in lease order once all of it is in; implies max_staleness 0, needs
-    # one rollout worker and publish_every 1
+    """multi-policy: a policy's step-k batch is served only once every other policy has version >= k - version_barrier
+    (0: lock-step versions, so evaluations pair equal versions); None: policies advance independently"""
     synchronous: bool = False
+    """the switch for the synchronous deterministic mode (the benchmarks' baseline, and the mode in which resume is
+    exact): rollouts for step k start only after version k is published, and a round of tasks is admitted in lease
+    order once all of it is in; implies max_staleness 0, needs one rollout worker and publish_every 1"""
     snapshot: SnapshotSpec = field(default_factory=SnapshotSpec)
+    """where and how often the data layer writes its state (restarts, resumes)"""
 
     def validate(self, key: str = "dataflow") -> None:
         """Ranges and stage types; `advantage` and `mixing` against the env are checked in
@@ -509,11 +521,15 @@ class WorkerClass:
     process with slowdown 1 (a laptop has one kind of hardware)."""
 
     name: str = "rollout"
+    """the class's name; its workers are named {name}-{i}"""
     count: int = 1
+    """workers of this class"""
     resources: dict[str, float] | None = None
+    """Dask resource labels of its workers; null: rollout labels for every policy plus score"""
     slowdown: float = 1.0
-    # None: cluster.threads_per_worker
+    """simulate a slower hardware class: >= 1, the rollout service sleeps (slowdown - 1) x its generation time"""
     nthreads: int | None = None
+    """None: cluster.threads_per_worker"""
 
     def validate(self, key: str = "cluster.pools[0]") -> None:
         """Its own fields; names unique across the pools and labels for every policy are the
@@ -539,18 +555,20 @@ class AutoscaleSpec:
     (`astratk.runtime.autoscale`). The control worker (data layer) and the other pools are never
     retired."""
 
-    # the worker class to resize; None: the first class that carries rollout labels
     pool: str | None = None
+    """the worker class to resize; None: the first class that carries rollout labels"""
     minimum: int = 1
+    """fewest workers the pool keeps"""
     maximum: int = 8
-    # seconds between decisions (Dask's adaptive interval)
+    """most workers the pool grows to"""
     interval_s: float = 5.0
-    # weight of the past in the EWMAs of trainer wait and step time (ours; not published)
+    """seconds between decisions (Dask's adaptive interval)"""
     ewma_decay: float = 0.8
-    # trainer steps observed after a resize before the next decision (let the EWMAs move)
+    """weight of the past in the EWMAs of trainer wait and step time (ours; not published)"""
     cooldown_steps: int = 3
-    # consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)
+    """trainer steps observed after a resize before the next decision (let the EWMAs move)"""
     wait_count: int = 3
+    """consecutive scale-down decisions before a worker is retired (Dask's adaptive wait_count)"""
 
     def validate(self, key: str = "cluster.autoscale") -> None:
         if not 1 <= self.minimum <= self.maximum:
@@ -569,39 +587,40 @@ class TLSSpec:
     docs/cluster.md). PEM files on the machine that runs the driver; workers get theirs from
     `dask worker --tls-*` flags."""
 
-    # the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it
     ca_file: str
-    # this client's certificate, signed by that CA (the scheduler and workers require one)
+    """the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it"""
     cert: str
-    # its private key; None: the key is appended to `cert`
+    """this client's certificate, signed by that CA (the scheduler and workers require one)"""
     key: str | None = None
+    """its private key; None: the key is appended to `cert`"""
 
 
 @dataclass
 class ClusterSpec:
-    # None: start a local cluster
     scheduler_address: str | None = None
-    # local cluster of worker processes; False: threads in this process (debuggers)
+    """None: start a local cluster"""
     processes: bool = True
-    # size of the one rollout pool (class "rollout") when `pools` is empty
+    """local cluster of worker processes; False: threads in this process (debuggers)"""
     rollout_workers: int = 1
-    # heterogeneous local pools; replaces rollout_workers
+    """size of the one rollout pool (class "rollout") when `pools` is empty"""
     pools: list[WorkerClass] = field(default_factory=list)
-    # None: fixed pools
+    """heterogeneous local pools; replaces rollout_workers"""
     autoscale: AutoscaleSpec | None = None
+    """None: fixed pools"""
     threads_per_worker: int = 1
-    # per process; 2-core machines oversubscribe otherwise
+    """Dask threads per worker process"""
     torch_threads: int = 1
+    """per process; 2-core machines oversubscribe otherwise"""
     dashboard: bool = False
+    """serve Dask's dashboard (local clusters)"""
     startup_timeout_s: float = 120.0
-    # TLS to an existing `tls://` scheduler; None: Dask's own config
-    # (DASK_DISTRIBUTED__COMM__TLS__*), if any
+    """longest wait for the cluster's workers to start (the error then names the missing ones)"""
     tls: TLSSpec | None = None
-    # One local rollout worker per GPU, CUDA_VISIBLE_DEVICES set per worker as dask-cuda's
-    # LocalCUDACluster sets it (its GPU is its cuda:0): "all" (every GPU torch sees) or indices
-    # ([1, 2, 3]: leave cuda:0 to the trainer); replaces rollout_workers. None: every worker sees
-    # every GPU (the engines' device picks one).
+    """TLS to an existing `tls://` scheduler; None: Dask's own config (DASK_DISTRIBUTED__COMM__TLS__*), if any"""
     rollout_gpus: str | list[int] | None = None
+    """One local rollout worker per GPU, CUDA_VISIBLE_DEVICES set per worker as dask-cuda's LocalCUDACluster sets it
+    (its GPU is its cuda:0): "all" (every GPU torch sees) or indices ([1, 2, 3]: leave cuda:0 to the trainer);
+    replaces rollout_workers. None: every worker sees every GPU (the engines' device picks one)."""
 
     def validate(self, key: str = "cluster") -> None:
         """Ranges, pools and autoscale; TLS files and the labels every policy needs are in
@@ -650,23 +669,22 @@ class ClusterSpec:
 
 @dataclass
 class WeightsSpec:
-    # fsspec URL of the weight store; None: <run dir>/weights
     url: str | None = None
-    # versions kept behind the newest (version 0, and the chains of kept versions' deltas, are
-    # always kept); None keeps all
+    """fsspec URL of the weight store; None: <run dir>/weights"""
     keep_last: int | None = 32
-    # a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with
-    # bf16 copies (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every
-    # element), so 1 (full only) is the default; set both together, with a bf16 engine
-    # (`rollout.engine_args: {dtype: bfloat16}`).
+    """versions kept behind the newest (version 0, and the chains of kept versions' deltas, are always kept); None keeps
+    all"""
     full_every: int = 1
-    # "bfloat16": publish bf16 copies (deltas compare bf16 bits, what a bf16 engine loads); None:
-    # the trainer's dtype
+    """a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with bf16 copies
+    (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every element), so 1 (full only) is
+    the default; set both together, with a bf16 engine (`rollout.engine_args: {dtype: bfloat16}`)."""
     publish_dtype: str | None = None
-    # simulate a remote link to the store (bits/s, e.g. 4e9); None: no link
+    """bfloat16: publish bf16 copies (deltas compare bf16 bits, what a bf16 engine loads); None: the trainer's
+    dtype"""
     link_bandwidth_bps: float | None = None
-    # the simulated link's latency per request (e.g. 0.3)
+    """simulate a remote link to the store (bits/s, e.g. 4e9); None: no link"""
     link_latency_s: float = 0.0
+    """the simulated link's latency per request (e.g. 0.3)"""
 
     def validate(self, key: str = "weights") -> None:
         """Its own fields; `publish_dtype` against the engines' dtype is checked in
@@ -691,15 +709,16 @@ class WeightsSpec:
 
 @dataclass
 class EvalSpec:
-    # wall-clock interval between held-out evaluations during training
     interval_s: float = 15.0
-    # held-out tasks evaluated each time (greedy decoding)
+    """wall-clock interval between held-out evaluations during training"""
     max_tasks: int = 512
+    """held-out tasks evaluated each time (greedy decoding)"""
     timeout_s: float = 300.0
-    # also evaluate whenever the policy has published this many versions more
+    """longest wait for one evaluation"""
     every_versions: int | None = None
-    # > 0: also report pass@k (k samples per task at the rollout temperature)
+    """also evaluate whenever the policy has published this many versions more"""
     pass_k: int = 0
+    """> 0: also report pass@k (k samples per task at the rollout temperature)"""
 
     def validate(self, key: str = "eval") -> None:
         _positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks,
@@ -712,20 +731,31 @@ class EvalSpec:
 @dataclass
 class RunSpec:
     name: str = "run"
+    """the run's name: its directory under output_dir is <name>-<date>-<time>-<4 hex digits>"""
     output_dir: str = "runs"
+    """where run directories are written"""
     seed: int = 0
+    """seed of the run: task order, sampling and the trainer"""
     env: Env = field(default_factory=lambda: _default("env", "arithmetic"))
+    """the environment, as class_path (a short name such as arithmetic, math_word, search, code, or a dotted path) and
+    init_args"""
     policies: list[PolicySpec] = field(default_factory=lambda: [PolicySpec()])
+    """the policies trained together; each plays one or more of the env's roles"""
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    """how rollouts are generated: engine, group size, sampling, timeouts"""
     dataflow: DataflowSpec = field(default_factory=DataflowSpec)
+    """the data layer: synchronous or asynchronous, staleness, advantages, stages, snapshots"""
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    """the Dask cluster: a local one started for the run, or an existing scheduler"""
     eval: EvalSpec = field(default_factory=EvalSpec)
+    """held-out evaluation during training"""
     weights: WeightsSpec = field(default_factory=WeightsSpec)
+    """the weight store: where versions are published, how many are kept, deltas, dtype"""
     progress: bool = True
-    # continue a previous run from its newest trainer checkpoint (a run directory) or from a given
-    # one (<run dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that
-    # step
+    """print progress lines while the run trains"""
     resume_from: str | None = None
+    """continue a previous run from its newest trainer checkpoint (a run directory) or from a given one (<run
+    dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that step"""
 
     def validate(self) -> RunSpec:
         """Check every field and the rules between them; raise ValueError naming the key and the
