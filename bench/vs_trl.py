@@ -512,6 +512,24 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "samples_per_s_per_seed": [r["samples_per_s"] for r in runs]}
 
 
+def time_to_level(curve: list[dict[str, Any]], level: float) -> float | None:
+    """Training time of a curve's first point at or above `level` held-out accuracy (None: never)."""
+    return next((p["time_s"] for p in curve if p["accuracy"] >= level - 1e-9), None)
+
+
+def matched(runs: list[dict[str, Any]], best: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Time for each side (its best-lr runs, median over seeds) to reach the accuracy TRL ends at (its median at the
+    end of the budget): the comparison that still means something when a model plateaus before +25 points."""
+    if "trl" not in best or "astratk" not in best:
+        return None
+    level = best["trl"]["accuracy_at_end"]
+    times = {side: [_t(time_to_level(r["curve"], level)) for r in runs
+                    if r["side"] == side and r["lr"] == best[side]["lr"]] for side in ("astratk", "trl")}
+    med = {side: _median(ts) for side, ts in times.items()}
+    ratio = med["trl"] / med["astratk"] if math.isfinite(med["astratk"]) and med["astratk"] > 0 else math.nan
+    return {"level": level, "time_s": med, "time_s_per_seed": times, "trl_over_astratk": ratio}
+
+
 def rank_key(summary: dict[str, Any]) -> tuple[float, float]:
     """Best lr: the lowest median time to + 25 points, then the highest median accuracy at the end."""
     return (summary["time_to"][f"{round(100 * HEADLINE_GAIN)}"], -summary["accuracy_at_end"])
@@ -554,6 +572,37 @@ def table(best: dict[str, dict[str, Any]], sweep: dict[str, list[dict[str, Any]]
         lines.append(f"| sweep: lr {lr:g} ({args.sweep_seeds} seed{'s' * (args.sweep_seeds > 1)}) | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _matched_line(match: dict[str, Any]) -> str:
+    a, t = match["time_s"]["astratk"], match["time_s"]["trl"]
+    per = "; ".join(f"{side} " + ", ".join(_fmt_s(x) for x in xs) for side, xs in match["time_s_per_seed"].items())
+    ratio = f"{match['trl_over_astratk']:.2f}x" if math.isfinite(match["trl_over_astratk"]) else "-"
+    return (f"\ntime to TRL's accuracy at the end ({100 * match['level']:.1f}%), medians: astratk {_fmt_s(a)}, TRL "
+            f"{_fmt_s(t)}: TRL / astratk {ratio} ({per})")
+
+
+def report(path: Path) -> None:
+    """Re-read a finished (`<model>.json`) or partial (`<model>.runs.json`) result: each side's best lr by the bench's
+    rule, and the time-to-TRL's-final-accuracy comparison (`matched`)."""
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    best = data.get("best")
+    if not best:
+        best = {}
+        for side in SIDES:
+            by_lr: dict[float, list[dict[str, Any]]] = {}
+            for r in runs:
+                if r["side"] == side:
+                    by_lr.setdefault(r["lr"], []).append(r)
+            if by_lr:
+                best[side] = min((summarise(rs) for rs in by_lr.values()), key=rank_key)
+    for side, b in best.items():
+        print(f"{side}: best lr {b['lr']:g} over {len(b['seeds'])} seed(s), accuracy at the end "
+              f"{100 * b['accuracy_at_end']:.1f}%, {b['steps_per_s']:.2f} steps/s")
+    match = matched(runs, best)
+    if match is not None:
+        print(_matched_line(match))
 
 
 def plot(runs: list[dict[str, Any]], initial: float, stem: Path, title: str) -> dict[str, Path]:
@@ -616,6 +665,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--child-timeout-s", type=float, default=900.0, help="TRL process: limit beyond --seconds")
     ap.add_argument("--verbose", action="store_true", help="show both sides' own output")
     ap.add_argument("--trl-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--report", type=Path, default=None, metavar="JSON",
+                    help="print the comparison of a saved <model>.json or <model>.runs.json and exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.eval_every, args.heldout, args.seeds, args.sweep_seeds = 6.0, 2.0, 64, 1, 1
@@ -636,6 +687,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.trl_child:
         trl_child(args.trl_child)
+        return
+    if args.report:
+        report(args.report)
         return
     if "trl" in args.side_list:
         try:
@@ -723,6 +777,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.heldout} held-out tasks, start {100 * initial:.1f}%; {threads} CPU cores "
           f"({platform.processor() or platform.machine()})\n")
     print(text)
+    match = matched(runs, best)
+    if match is not None:
+        ratios["time_to_trl_final_accuracy_trl_over_astratk"] = match["trl_over_astratk"]
+        print(_matched_line(match))
     if ratios:
         r25, (ta, tt) = ratios["time_to_25_trl_over_astratk"], (best[s]["time_to"][g] for s in SIDES)
         said = (f"{r25:.2f}x" if math.isfinite(r25) else "astratk reached it, TRL did not" if math.isfinite(ta)
@@ -741,6 +799,7 @@ def main(argv: list[str] | None = None) -> None:
                "model": {"name": args.model, "dir": str(model_dir), "params": params, "warm_start": warm,
                          "build_or_load_s": build_s, "initial_accuracy": initial, "n_heldout": args.heldout},
                "marks_s": marks, "runs": runs, "sweep": sweep, "best": best, "ratios": ratios, "table": text,
+               "matched": match,
                "eval_seconds": evaluate.seconds}
     stem = args.out / args.model
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))

@@ -243,6 +243,8 @@ class PolicyModule(pl.LightningModule):
         is returned, so Lightning updates it like any step's. The recorded metrics are the mean over the k updates.
         """
         k = min(self.updates_per_batch, len(batch))
+        if self._distributed():  # every rank makes the same number of updates (each one all-reduces gradients)
+            k = -max_over_ranks(-k, self.trainer.strategy)
         if self._sharded_root() is not None:
             raise ValueError("trainer.updates_per_batch > 1 is not supported under FSDP (each update would need its "
                              "own sharded optimiser step inside one Lightning step); use strategy ddp or one update")

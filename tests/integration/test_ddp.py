@@ -93,9 +93,9 @@ class Record(pl.Callback):
 
 
 def fit(model_path: str, loss, aggregation: str, micro_batch_tokens: int | None, data: RolloutDataModule,
-        out: Path, name: str, devices: int = 1) -> None:
+        out: Path, name: str, devices: int = 1, updates: int = 1) -> None:
     module = SGDPolicy(model_path, loss, lr=0.5, aggregation=aggregation, horizon=H,
-                       micro_batch_tokens=micro_batch_tokens)
+                       micro_batch_tokens=micro_batch_tokens, updates_per_batch=updates)
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=devices,
                          strategy="ddp_spawn" if devices > 1 else "auto", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -190,3 +190,43 @@ def test_two_rank_ddp_equals_one_process_on_the_global_batch(client, model_path,
         assert r["metrics"]["train/main/loss"] == pytest.approx(single["metrics"]["train/main/loss"], rel=1e-5)
     assert scale > 1e-3 and max(single["weights"][n].sub(w).abs().max().item()  # a real update happened
                                 for n, w in Qwen2ForCausalLM.from_pretrained(model_path).named_parameters()) > 1e-4
+
+
+def test_two_rank_ddp_with_two_updates_per_batch(client, model_path, tmp_path):
+    """`updates_per_batch: 2` under DDP: each rank cuts its own shard into two slices; update j averages the ranks'
+    slice-j gradients with the counts of both ranks' slice j, so it is one process's update on the union of the
+    ranks' slice j. Reference: SGD by hand on those unions, from the collated global batch, with the same clipping."""
+    from astratk.training.collate import collate, select_rows
+
+    handle = datalayer(client)
+    groups = handle.next_batch("main", 0, 0, 1)
+    fit(model_path, DRPO(delta=0.5), "token-mean", None, ShardedData(handle, client.scheduler.address), tmp_path,
+        "rank{rank}", devices=WORLD, updates=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [r["metrics"]["train/main/updates"] for r in ranks] == [2.0, 2.0]
+
+    # the global batch's rows by group (sizes 3, 2, 3, 2, 2); rank r holds groups r::2, each cut in two halves
+    batch = collate(groups, PAD)
+    starts = [sum(GROUP_SIZES[:i]) for i in range(len(GROUP_SIZES))]
+    shard = [[starts[i] + j for i in range(r, len(GROUP_SIZES), WORLD) for j in range(GROUP_SIZES[i])]
+             for r in range(WORLD)]
+    halves = [[torch.tensor(rows).tensor_split(2)[j].tolist() for rows in shard] for j in range(2)]
+    module = SGDPolicy(model_path, DRPO(delta=0.5), lr=0.5, aggregation="token-mean", horizon=H)
+    params = list(module.model.parameters())
+    for j in range(2):
+        union = select_rows(batch, torch.tensor(sorted(halves[j][0] + halves[j][1])))
+        module.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            loss, _ = module._step(union)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        with torch.no_grad():
+            for p in params:
+                p -= 0.5 * p.grad
+    expected = dict(module.model.named_parameters())
+    start = dict(Qwen2ForCausalLM.from_pretrained(model_path).named_parameters())
+    for r in ranks:
+        diff = max((r["weights"][n] - expected[n]).abs().max().item() for n in expected)
+        assert diff < TOLERANCE, f"rank weights differ from the two-update reference by {diff:.3g}"
+    assert max((expected[n] - start[n]).abs().max().item() for n in start) > 1e-4  # real updates happened
