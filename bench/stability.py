@@ -143,7 +143,7 @@ def run_cell(args: argparse.Namespace, loss: str, regime: str, seed: int, evalua
         print("\n".join(lines[-40:]))
         raise
     s = result.summary
-    store = WeightStore(run.session.deployment.store.url)
+    store = WeightStore(spec.weights.url or str(result.run_dir / "weights"))  # where a run keeps its versions
     final = int(s.get("final_version", 0))
     published = sorted({v for v in [*range(args.eval_every, final + 1, args.eval_every), final] if v > 0})
     curve = [{"version": 0, "accuracy": initial}]
@@ -246,8 +246,11 @@ def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: l
     heat = pd.DataFrame([{"loss": loss, "regime": regime, "gain (points)": 100 * row["gain"],
                           "collapsed": f"{row['collapses']}/{row['n']}"}
                          for (loss, regime), row in table.items()])
-    heat["loss"] = pd.Categorical(heat["loss"], losses)
-    heat["regime"] = pd.Categorical(heat["regime"], regimes)
+    # plain object columns in the grid's order (pandas' Arrow-backed strings and categoricals do not reshape for
+    # the heat-map)
+    heat = heat.astype({"loss": object, "regime": object, "collapsed": object})
+    heat = heat.sort_values(["loss", "regime"], key=lambda col: col.map(
+        {**{x: i for i, x in enumerate(losses)}, **{x: i for i, x in enumerate(regimes)}}))
     hm = heat.hvplot.heatmap(x="regime", y="loss", C="gain (points)", cmap="RdYlGn", width=520,
                              height=40 * len(losses) + 120, hover_cols=["collapsed"],
                              title="median held-out accuracy gain at the end (points)")
@@ -256,7 +259,7 @@ def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: l
     heat_plot = hm * labels
     rows = [{"loss": c["loss"], "regime": c["regime"], "seed": c["seed"], "step": p["version"],
              "accuracy": 100 * p["accuracy"]} for c in cells for p in c["curve"]]
-    frame = pd.DataFrame(rows)
+    frame = pd.DataFrame(rows).astype({"loss": object, "regime": object})
     curves = frame.groupby(["loss", "regime", "step"], as_index=False)["accuracy"].median().hvplot.line(
         x="step", y="accuracy", by="loss", groupby="regime", width=640, height=360,
         title="held-out accuracy (median over seeds) against version").layout("regime").cols(2)
