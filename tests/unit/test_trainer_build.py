@@ -38,14 +38,14 @@ def test_module_defaults_are_the_trainer_specs():
 def test_module_args_follow_the_policy_spec():
     loss = DRPO(delta=0.3)
     trainer = TrainerSpec(lr=3e-4, weight_decay=0.01, aggregation="token-mean", kl_coef=0.1, kl_estimator="k1",
-                          entropy_coef=0.02, micro_batch_tokens=512, share_prompts=False)
+                          entropy_coef=0.02, micro_batch_tokens=512, share_prompts=False, updates_per_batch=3)
     spec = RunSpec(policies=[PolicySpec(policy_id="solver", loss=loss, trainer=trainer)],
                    rollout=RolloutSpec(temperature=0.7, max_new_tokens=12))
     args = build.module_args(spec, "solver")
     assert args == {"loss": loss, "policy_id": "solver", "lr": 3e-4, "weight_decay": 0.01, "temperature": 0.7,
                     "aggregation": "token-mean", "horizon": 12, "corrections": [], "kl_coef": 0.1,
                     "kl_estimator": "k1", "entropy_coef": 0.02, "micro_batch_tokens": 512, "lora": None,
-                    "share_prompts": False}
+                    "share_prompts": False, "updates_per_batch": 3}
     spec.policies[0].trainer = dataclasses.replace(trainer, horizon=5)
     assert build.module_args(spec, "solver")["horizon"] == 5  # trainer.horizon wins over rollout.max_new_tokens
     with pytest.raises(KeyError):
