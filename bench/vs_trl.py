@@ -63,6 +63,7 @@ CONFIG = ROOT / "tutorials" / "quickstart.yaml"
 SIDES = ("astratk", "trl")
 TITLES = {"astratk": "astratk", "trl": "TRL GRPOTrainer"}
 COLORS = {"astratk": "#1f77b4", "trl": "#d62728"}
+START_ENV = dict(os.environ)  # the TRL process gets this, not what the parent's environment has become
 GAINS = (0.15, 0.25)  # time-to-target rows: + 15 and + 25 points of held-out accuracy
 HEADLINE_GAIN = 0.25
 # The larger model: 6.4M parameters (`model.params` in the JSON), 8x the quickstart's, on the quickstart's task. Its
@@ -442,6 +443,7 @@ def trl_child(cfg_path: str) -> None:
     (out / "result.json").write_text(json.dumps({
         "steps": clock.steps, "train_time_s": clock.train_time, "samples": clock.steps * config.generation_batch_size,
         "snapshots": snapshots, "check": check, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
+        "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
         "config": {k: getattr(config, k, None) for k in TRL_FIELDS}}, default=str))
 
 
@@ -450,11 +452,13 @@ def run_trl(args: argparse.Namespace, lr: float, seed: int, marks: list[float], 
     out = Path(tempfile.mkdtemp(prefix=f"trl-lr{lr:g}-s{seed}-", dir=tmp))
     cfg = {"out": str(out), "lr": lr, "seed": seed, "marks": marks, "seconds": float(args.seconds),
            "model_dir": str(model_dir), "env": str(env_file), "threads": args.trl_threads,
-           "rows": max(4096, int(args.seconds * 64)),  # ~4x what TRL gets through on 2 cores
+           "rows": args.trl_rows or max(4096, int(args.seconds * 64)),  # ~4x what TRL gets through on 2 cores
            "trl_set": {k: _scalar(v) for k, v in _pairs(args.trl_set, "--trl-set")}}
     (out / "config.json").write_text(json.dumps(cfg))
     wall = time.time()
-    child_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    # the environment this script started with: nothing an in-process astratk run or library changed since (Dask's
+    # nannies once left OMP_NUM_THREADS=1 behind, which halved TRL's speed on 2 threads)
+    child_env = {**START_ENV, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out / "config.json")],
                           capture_output=not args.verbose, text=True, env=child_env,
                           timeout=args.seconds + args.child_timeout_s, check=False)
@@ -470,6 +474,7 @@ def run_trl(args: argparse.Namespace, lr: float, seed: int, marks: list[float], 
     shutil.rmtree(out, ignore_errors=True)
     return {"side": "trl", "lr": lr, "seed": seed, "steps": res["steps"], "train_time_s": res["train_time_s"],
             "samples": res["samples"], "wall_s": time.time() - wall, "threads": res["threads"],
+            "thread_env": res.get("thread_env"),
             "trl_version": res["trl_version"], "config": res["config"], "check": res["check"],
             "snapshots": res["snapshots"]}
 
@@ -661,6 +666,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig field for the TRL side (scale_rewards=none)")
     ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="torch threads of the TRL process")
+    ap.add_argument("--trl-rows", type=int, default=0,
+                    help="train tasks handed to TRL's dataset (default: max(4096, 64 x --seconds))")
     ap.add_argument("--poll-s", type=float, default=0.2, help="how often the astratk side's store is read")
     ap.add_argument("--child-timeout-s", type=float, default=900.0, help="TRL process: limit beyond --seconds")
     ap.add_argument("--verbose", action="store_true", help="show both sides' own output")
@@ -789,7 +796,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"optimizer steps/s, astratk / TRL (medians): {ratios['steps_per_s_astratk_over_trl']:.2f}x")
     if trl_run is not None:
         c = trl_run["check"]
-        print(f"\nTRL {trl_run['trl_version']} ({trl_run['threads']} torch threads): prompt token ids equal to "
+        env = ", ".join(f"{k}={v}" for k, v in (trl_run.get("thread_env") or {}).items() if v is not None) or "none"
+        print(f"\nTRL {trl_run['trl_version']} ({trl_run['threads']} torch threads; thread variables set: {env}): prompt token ids equal to "
               f"astratk's on {c['prompts_compared']} tasks: {c['prompt_ids_equal']}; stop tokens "
               f"{c['trl_eos_token_ids']} (astratk {c['astratk_stop_token_ids']})")
         print("GRPOConfig: " + ", ".join(f"{k}={v}" for k, v in trl_run["config"].items()))
