@@ -55,6 +55,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "household": "astratk.envs.agentbench.household.HouseholdEnv",
         "db": "astratk.envs.agentbench.db.DatabaseEnv",
         "mixture": "astratk.envs.mixture.MixtureEnv",
+        "function": "astratk.envs.function.FunctionEnv",
     },
     "correction": {
         "tis": "astratk.losses.corrections.TIS",
