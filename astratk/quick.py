@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from astratk.spec import RunSpec
 
@@ -33,6 +34,18 @@ def smoke(spec: RunSpec, steps: int = 3, heldout: int = 16, cache_dir: str | Non
     spec.progress = False
     spec.output_dir = os.environ.get("ASTRATK_TUTORIAL_OUTPUT", spec.output_dir)  # where the test suite wants it
     return spec
+
+
+def tutorial_file(name: str) -> Path:
+    """A file that ships in the repository's `tutorials/` folder (`quickstart.yaml`...), found from the repository root,
+    from `tutorials/` itself (where Jupyter starts a notebook's kernel) or from any folder below the root."""
+    here = Path.cwd()
+    candidates = [here / name, here / "tutorials" / name] + [p / "tutorials" / name for p in here.parents]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"tutorials/{name} was not found from {here} (looked in this folder, its tutorials/ and "
+                            "the tutorials/ folders above it): run the tutorial inside a clone of astratk")
 
 
 def short_mode() -> bool:

@@ -9,9 +9,9 @@
 # %%
 import astratk
 import astratk.viz  # registers the .astra dashboards on metrics datasets
-from astratk.quick import short_mode, smoke
+from astratk.quick import short_mode, smoke, tutorial_file
 
-run = astratk.Run.from_config("tutorials/quickstart.yaml", "--output_dir", "runs/tutorials")
+run = astratk.Run.from_config(tutorial_file("quickstart.yaml"), "--output_dir", "runs/tutorials")
 if short_mode():
     run = astratk.Run(smoke(run.spec, steps=3))
 run  # noqa: B018 - a notebook cell shows its last value: the run handle and its state
@@ -34,3 +34,4 @@ print(ds["train_reward_mean"].sel(policy="main").values)
 dashboard = ds.astra.dashboard()  # reward, accuracy, version lag, |pi - mu|, drops, throughput...
 ds.astra.save(result.run_dir / "tutorial-dashboard")  # standalone HTML + PNG
 print("tutorial done")
+dashboard  # noqa: B018 - the notebook shows the dashboard here

@@ -9,9 +9,9 @@
 # %%
 import astratk
 import astratk.viz
-from astratk.quick import short_mode, smoke
+from astratk.quick import short_mode, smoke, tutorial_file
 
-run = astratk.Run.from_config("tutorials/solver_verifier_two_policies.yaml", "--output_dir", "runs/tutorials")
+run = astratk.Run.from_config(tutorial_file("solver_verifier_two_policies.yaml"), "--output_dir", "runs/tutorials")
 if short_mode():
     run = astratk.Run(smoke(run.spec, steps=3))
 print([(p.policy_id, p.roles) for p in run.spec.policies])

@@ -11,10 +11,10 @@
 # %%
 import astratk
 import astratk.viz
-from astratk.quick import short_mode, smoke
+from astratk.quick import short_mode, smoke, tutorial_file
 from astratk.spec import ClusterSpec, WorkerClass
 
-run = astratk.Run.from_config("tutorials/quickstart.yaml", "--output_dir", "runs/tutorials", "--name", "hetero")
+run = astratk.Run.from_config(tutorial_file("quickstart.yaml"), "--output_dir", "runs/tutorials", "--name", "hetero")
 spec = run.spec
 spec.cluster = ClusterSpec(pools=[WorkerClass(name="gpu_fast", count=1),
                                   WorkerClass(name="gpu_slow", count=1, slowdown=3.0)])

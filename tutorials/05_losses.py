@@ -10,12 +10,12 @@ import astratk
 from astratk.losses.dppo import DPPO
 from astratk.losses.drpo import DRPO
 from astratk.losses.ppo_clip import PPOClip
-from astratk.quick import short_mode, smoke
+from astratk.quick import short_mode, smoke, tutorial_file
 
 losses = {"drpo": DRPO(delta=0.2), "dppo": DPPO(), "grpo": PPOClip()}
 results = {}
 for name, loss in losses.items():
-    spec = astratk.Run.from_config("tutorials/quickstart.yaml", "--output_dir", "runs/tutorials",
+    spec = astratk.Run.from_config(tutorial_file("quickstart.yaml"), "--output_dir", "runs/tutorials",
                                    "--name", f"loss-{name}").spec
     spec.policies[0].loss = loss
     spec.policies[0].trainer.max_time_s = 60
