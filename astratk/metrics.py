@@ -7,10 +7,10 @@ Layout (per-policy variables have a `policy` dimension, so multi-policy runs sha
   behaviour weights), `train_time_s` (seconds since training started), `train_data_wait_s`, and the loss's
   diagnostics `loss_*` (DRPO: `loss_tv_mean` / `_max` = |pi - mu|, `loss_w_mean` / `_min` / `_max` = its gradient
   weight), corrections' `train_correction_<name>_*`;
-- dims `(policy, eval)`: `eval_accuracy` (and `eval_accuracy_<role>`), `eval_version`, `eval_train_time_s` (training
-  time at which the evaluated weights were published);
+- dims `(policy, evaluation)`: `eval_accuracy` (and `eval_accuracy_<role>`), `eval_version`, `eval_train_time_s`
+  (training time at which the evaluated weights were published);
 - dims `(policy,)`: final data-layer and acquisition counters, `data_groups_dropped_stale`, `data_groups_admitted`...;
-- dims `(drop,)`: `dropped`, every counted drop with coordinates `drop_stage` (curation, rollout, admission, serving:
+- dims `(drop_record,)`: `dropped`, every counted drop with coordinates `drop_stage` (curation, rollout, admission, serving:
   the data path's order), `drop_reason` (`zero_variance`, `stale`, a curator's name...), `drop_unit` (tasks, results,
   groups, trajectories), `drop_policy` ("" for task-level drops, which precede any policy) and `drop_task_ids` (the
   first tasks dropped, comma-separated, for drops counted per task: `prompt_too_long`);
@@ -18,8 +18,11 @@ Layout (per-policy variables have a `policy` dimension, so multi-policy runs sha
   `service_hardware` (its worker class / hardware label): `service_tasks`, `service_tasks_per_s`,
   `service_tokens_per_s`, `service_version_lag_mean`, ...; and dims `(hardware,)`: the same per class
   (`hardware_tasks_per_s` is the mean per-service speed of the class, `hardware_services` how many services it has);
-- attrs: the run's summary and the run-level counters (`counter_data_leases_issued`, ...).
-Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{name}"`.
+- attrs: the run's summary and the run-level counters (`counter_data_leases_issued`, ...); `partial` = 1 in the copies
+  a run writes while it trains (`metrics_every_s`), 0 in the final one.
+Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{name}"`. Every variable carries
+`description` and, where it has one, `units` attributes (`describe`). The dimension names avoid xarray's method
+names (`ds.eval`, `ds.drop` are methods): files written before that used `eval` and `drop`, and `load` renames them.
 
 `import astratk.viz` registers the `.astra` accessor (dashboards) on these datasets.
 """
@@ -27,6 +30,7 @@ Metric keys `"{component}/{policy_id}/{name}"` become variables `"{component}_{n
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,6 +40,76 @@ import numpy as np
 import xarray as xr
 
 from astratk.records import DROP_STAGES, Drop
+
+EVAL_DIM = "evaluation"  # held-out evaluations, in the order they were made
+DROP_DIM = "drop_record"  # counted drops, along the data path
+OLD_DIMS = {"eval": EVAL_DIM, "drop": DROP_DIM}  # files written before the rename
+
+# exact names first, then (prefix or suffix, attributes) rules: the first that matches describes a variable
+DESCRIPTIONS: dict[str, dict[str, str]] = {
+    "policy": {"description": "policy id"},
+    "step": {"description": "optimizer step of the policy's trainer (0-based)"},
+    EVAL_DIM: {"description": "held-out evaluation, in the order made"},
+    DROP_DIM: {"description": "one counted drop (stage, reason, unit, policy)"},
+    "service": {"description": "rollout service (one per rollout worker that produced data)"},
+    "hardware": {"description": "worker class / hardware label"},
+    "train_reward_mean": {"description": "mean reward of the step's trained samples"},
+    "train_loss": {"description": "the policy loss of the step"},
+    "train_staleness_mean": {"description": "mean versions between the trained weights and the tokens' behaviour "
+                                            "weights", "units": "versions"},
+    "train_staleness_max": {"description": "most versions between the trained weights and a token's behaviour "
+                                           "weights", "units": "versions"},
+    "train_time_s": {"description": "seconds since training started", "units": "s"},
+    "train_data_wait_s": {"description": "seconds the step waited for data", "units": "s"},
+    "train_step_compute_s": {"description": "seconds the step computed", "units": "s"},
+    "train_pi_mu_abs_mean": {"description": "mean |pi - mu| of the sampled tokens (trainer vs behaviour "
+                                            "probability)", "units": "probability"},
+    "train_pi_mu_abs_max": {"description": "largest |pi - mu| of a sampled token", "units": "probability"},
+    "train_grad_norm": {"description": "gradient norm before clipping"},
+    "eval_accuracy": {"description": "greedy held-out accuracy (mean score of the first role)", "units": "fraction"},
+    "eval_version": {"description": "weight version evaluated", "units": "versions"},
+    "eval_train_time_s": {"description": "training time at which the evaluated weights were published",
+                          "units": "s"},
+    "dropped": {"description": "count of one kind of drop (see the drop_* coordinates)"},
+    "drop_stage": {"description": "where on the data path the drop happened"},
+    "drop_reason": {"description": "why it was dropped"},
+    "drop_unit": {"description": "what was counted: tasks, results, groups or trajectories"},
+    "drop_policy": {"description": "the policy ('' for task-level drops)"},
+    "drop_task_ids": {"description": "the first tasks dropped, comma-separated (per-task drops)"},
+    "service_hardware": {"description": "the service's worker class / hardware label"},
+}
+RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("suffix", "_per_s", {"units": "1/s"}),
+    ("suffix", "_time_s", {"units": "s"}),
+    ("suffix", "_wait_s", {"units": "s"}),
+    ("suffix", "_s", {"units": "s"}),
+    ("suffix", "_frac", {"units": "fraction"}),
+    ("suffix", "_fraction", {"units": "fraction"}),
+    ("prefix", "eval_accuracy", {"description": "greedy held-out accuracy of one role", "units": "fraction"}),
+    ("prefix", "eval_pass_at_", {"description": "held-out pass@k (a task passes if any of k samples scores >= 1)",
+                                 "units": "fraction"}),
+    ("prefix", "loss_", {"description": "a diagnostic of the policy loss, per step"}),
+    ("prefix", "train_correction_", {"description": "a diagnostic of a mismatch correction, per step"}),
+    ("prefix", "train_", {"description": "trainer metric, per optimizer step"}),
+    ("prefix", "eval_", {"description": "held-out evaluation metric"}),
+    ("prefix", "data_traj_", {"description": "env metric averaged over the policy's admitted trajectories"}),
+    ("prefix", "data_", {"description": "data-layer counter at the end of the run"}),
+    ("prefix", "acquisition_", {"description": "acquisition-loop counter at the end of the run"}),
+    ("prefix", "service_", {"description": "per rollout service, over the run"}),
+    ("prefix", "hardware_", {"description": "per worker class (speeds averaged over its services, counts summed)"}),
+    ("prefix", "autoscale_", {"description": "what the pool's autoscaler saw, per step"}),
+)
+
+
+def describe(name: str) -> dict[str, str]:
+    """`description` and (where known) `units` of a metrics variable or coordinate."""
+    out = dict(DESCRIPTIONS.get(name, {}))
+    for kind, pattern, attrs in RULES:
+        if (name.endswith(pattern) if kind == "suffix" else name.startswith(pattern)):
+            for k, v in attrs.items():
+                out.setdefault(k, v)
+    out.setdefault("description", name.replace("_", " "))
+    return out
 
 
 def _split(key: str, policies: Sequence[str]) -> tuple[str | None, str]:
@@ -75,7 +149,7 @@ def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[
     data layer's counted drops (`DataLayer.drops()`)."""
     policies = list(policies)
     variables = _table(steps, "step", None, policies)
-    variables.update(_table(evals, "eval", "eval", policies))
+    variables.update(_table(evals, EVAL_DIM, "eval", policies))
     coords: dict[str, Any] = {}
     if services:
         variables.update(_services(services, coords))
@@ -93,8 +167,11 @@ def build_dataset(policies: Sequence[str], steps: Mapping[str, Sequence[Mapping[
     clean_attrs.update({f"counter_{k}": v for k, v in run_level.items()})
     n_steps = max((len(r) for r in steps.values()), default=0)
     n_evals = max((len(r) for r in evals.values()), default=0)
-    return xr.Dataset(variables, coords={"policy": policies, "step": np.arange(n_steps),
-                                         "eval": np.arange(n_evals), **coords}, attrs=clean_attrs)
+    ds = xr.Dataset(variables, coords={"policy": policies, "step": np.arange(n_steps),
+                                       EVAL_DIM: np.arange(n_evals), **coords}, attrs=clean_attrs)
+    for name in ds.variables:
+        ds[name].attrs.update(describe(str(name)))
+    return ds
 
 
 def _services(services: Mapping[str, Mapping[str, Any]], coords: dict[str, Any]) -> dict[str, Any]:
@@ -122,11 +199,11 @@ def _drops(drops: Sequence[Drop], policies: Sequence[str], coords: dict[str, Any
                   key=lambda d: (DROP_STAGES.index(d.stage), d.policy, d.reason))
     if not rows:
         return {}
-    coords.update(drop=np.arange(len(rows)), drop_stage=("drop", [d.stage for d in rows]),
-                  drop_reason=("drop", [d.reason for d in rows]), drop_unit=("drop", [d.unit for d in rows]),
-                  drop_policy=("drop", [d.policy for d in rows]),
-                  drop_task_ids=("drop", [",".join(d.task_ids) for d in rows]))
-    return {"dropped": (("drop",), np.array([d.count for d in rows]))}
+    coords.update({DROP_DIM: np.arange(len(rows)), "drop_stage": (DROP_DIM, [d.stage for d in rows]),
+                   "drop_reason": (DROP_DIM, [d.reason for d in rows]), "drop_unit": (DROP_DIM, [d.unit for d in rows]),
+                   "drop_policy": (DROP_DIM, [d.policy for d in rows]),
+                   "drop_task_ids": (DROP_DIM, [",".join(d.task_ids) for d in rows])})
+    return {"dropped": ((DROP_DIM,), np.array([d.count for d in rows]))}
 
 
 def _attr(v: Any) -> Any:
@@ -152,11 +229,19 @@ def save(ds: xr.Dataset, path: str | Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _SAVE_LOCK, dask.config.set(scheduler="synchronous"):
-        ds.load().to_netcdf(path, engine="h5netcdf")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:  # written aside and renamed into place: a reader (or a crash) never sees half a file
+        with _SAVE_LOCK, dask.config.set(scheduler="synchronous"):
+            ds.load().to_netcdf(tmp, engine="h5netcdf")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
 def load(path: str | Path) -> xr.Dataset:
+    """A metrics file, with the dimension names of this version (older files' `eval` and `drop` renamed)."""
     with xr.open_dataset(path, engine="h5netcdf") as ds:
-        return ds.load()
+        ds = ds.load()
+    rename = {old: new for old, new in OLD_DIMS.items() if old in ds.dims and new not in ds.dims}
+    return ds.rename(rename) if rename else ds

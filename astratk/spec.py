@@ -753,6 +753,9 @@ class RunSpec:
     """the weight store: where versions are published, how many are kept, deltas, dtype"""
     progress: bool = True
     """print progress lines while the run trains"""
+    metrics_every_s: float | None = 60.0
+    """write metrics.nc every this many seconds while training (attribute partial = 1), so that a run that crashes
+    keeps what it measured; the final file replaces it. None: only at the end"""
     resume_from: str | None = None
     """continue a previous run from its newest trainer checkpoint (a run directory) or from a given one (<run
     dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that step"""

@@ -39,6 +39,11 @@ def validate(spec: RunSpec) -> RunSpec:
     """Every check of the spec (its plug-ins are built already); returns it, or raises
     ValueError."""
     check_name(spec.name)
+    every = spec.metrics_every_s
+    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float))
+                              or not 0 < every < float("inf")):
+        raise ValueError(f"metrics_every_s: give seconds > 0 (or null: write metrics.nc at the end only), got "
+                         f"{spec.metrics_every_s!r}")
     env = spec.env
     if not isinstance(env, Env):
         raise ValueError(  # noqa: TRY004 - config errors are ValueErrors

@@ -33,6 +33,7 @@ from typing import Any
 
 import xarray as xr
 
+from astratk.metrics import EVAL_DIM
 from astratk.records import DROP_STAGES
 
 PLOTS = ("reward", "accuracy", "version_lag", "mismatch", "drpo_weights", "drops", "throughput")  # dashboard order
@@ -99,7 +100,7 @@ class AstraAccessor:
         df = self._frame("accuracy", ["eval_accuracy"], [*roles, "eval_train_time_s"],
                          hint="the run evaluated no held-out split")
         if "eval_train_time_s" not in df:  # older datasets: evaluations in order
-            df["eval_train_time_s"] = df["eval"].astype(float)
+            df["eval_train_time_s"] = df[EVAL_DIM].astype(float)
         df = df.assign(eval_train_time_s=df["eval_train_time_s"].fillna(0.0).clip(lower=0.0))
         long = self._series(df, value_vars, "accuracy", ["policy", "eval_train_time_s"])
         long["series"] = long["series"].str.strip()

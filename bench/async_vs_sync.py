@@ -56,7 +56,7 @@ def measure(mode: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
            "wait_verifier": s["verifier_data_wait_s"] / max(s["train_time_s"], 1e-9)}
     for role in ("solver", "verifier"):
         name = f"eval_accuracy_{role}"
-        values = ds[name].sel(policy=role).dropna("eval").values if name in ds else []
+        values = ds[name].sel(policy=role).dropna("evaluation").values if name in ds else []
         row[f"acc_{role}_before"] = float(values[0]) if len(values) else float("nan")
         row[f"acc_{role}_after"] = float(values[-1]) if len(values) else float("nan")
     return row

@@ -26,7 +26,7 @@ print(result)
 
 # %% [markdown]
 # The metrics are an `xarray.Dataset`: per-step training metrics on (policy, step), held-out evaluations on
-# (policy, eval), per-worker throughput on (service), final counters. The `.astra` accessor draws dashboards.
+# (policy, evaluation), per-worker throughput on (service), final counters. The `.astra` accessor draws dashboards.
 
 # %%
 ds = result.metrics()

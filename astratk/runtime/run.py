@@ -249,7 +249,7 @@ class Run:
         from astratk.metrics import build_dataset, save
 
         ds = build_dataset([p.policy_id for p in self.spec.policies], session.step_rows, session.eval_rows,
-                           session.counters, attrs={"name": self.spec.name, **_flat(summary)},
+                           session.counters, attrs={"name": self.spec.name, "partial": 0, **_flat(summary)},
                            services=session.service_rows, drops=session.drops)
         files = {"metrics": save(ds, run_dir / "metrics.nc")}
         files["summary"] = run_dir / "summary.json"

@@ -157,6 +157,8 @@ class Session:
         self.model_paths: dict[str, str] = {}
         self.resume_point: ResumePoint | None = None  # with resume_from (one policy only)
         self.stream: Any = None  # the in-process trainer's GroupStream (single-policy runs)
+        self.recorders: dict[str, Any] = {}  # the in-process trainer's StepRecorder: its rows grow as it trains
+        self.metrics_writes = 0  # partial metrics.nc files written while training (metrics_every_s)
         self.trainer_error: BaseException | None = None  # what the in-process trainer raised, if it did
         # per policy: the groups its trainer trained on, in order
         self.group_ids: dict[str, list[str]] = {}
@@ -365,10 +367,12 @@ class Session:
             t0 = time.time()
             self.evaluator.train_t0 = t0
             self.evaluator.start()
+            writer = self._start_metrics_writer()
             try:
                 results = fit()
             finally:
                 train_time = time.time() - t0
+                writer()
                 self.evaluator.stop()
                 self.deployment.acquisition.stop()
             errors = [res.pop("error") for res in results.values() if res.get("error") is not None]
@@ -423,6 +427,7 @@ class Session:
             self.spec, policy_id, model_path=model_path, stream=stream, store=self.deployment.store,
             run_dir=self.run_dir, stop_file=trainer_dir(self.run_dir, policy_id) / "STOP",
             printer=self.print, status=lambda: self._status(policy_id), extra=feed)
+        self.recorders[policy_id] = trainer.recorder
         ckpt = self.resume_point.checkpoint if self.resume_point else None
         return lambda: {policy_id: trainer.fit(ckpt)}
 
@@ -449,6 +454,54 @@ class Session:
         return {}
 
     # -------------------------------------------------------------------------------- results
+    def partial_metrics(self, timeout_s: float = 10.0) -> Any:
+        """The metrics dataset as far as the run has got (attribute `partial` = 1): the in-process trainer's steps
+        so far (trainer jobs write theirs at the end), every evaluation, the data layer's counters and drops, the
+        rollout services' throughput."""
+        from astratk.metrics import build_dataset
+        from astratk.runtime.evaluation import per_policy
+
+        pids = [p.policy_id for p in self.spec.policies]
+        steps = {pid: list(rec.rows) for pid, rec in self.recorders.items()}
+        records = sorted(self.evaluator.records, key=lambda r: (r["version"], r["evaluated_at"]))
+        evals = {pids[0]: records} if len(pids) == 1 else per_policy(records, self.spec)
+        datalayer = self.deployment.datalayer
+        return build_dataset(pids, steps, evals, datalayer.metrics(timeout=timeout_s),
+                             attrs={"name": self.spec.name, "partial": 1},
+                             services=self.deployment.acquisition.services.by_service(),
+                             drops=datalayer.drops(timeout=timeout_s))
+
+    def _start_metrics_writer(self) -> Callable[[], None]:
+        """Write `partial_metrics()` to run_dir/metrics.nc every `metrics_every_s` seconds on a thread; returns the
+        function that stops it. A failed write is reported once and retried at the next interval."""
+        every = self.spec.metrics_every_s
+        if every is None:
+            return lambda: None
+        from astratk.metrics import save
+
+        stop = threading.Event()
+        reported: list[str] = []
+
+        def loop() -> None:
+            while not stop.wait(every):
+                try:
+                    save(self.partial_metrics(), self.run_dir / "metrics.nc")
+                    self.metrics_writes += 1
+                except Exception as e:  # noqa: BLE001 - the run goes on; the final write is the one that matters
+                    if not reported:
+                        reported.append(repr(e))
+                        self.print(f"metrics.nc not written during training ({type(e).__name__}: {e}); "
+                                   f"retrying every {every:g}s, and at the end")
+
+        thread = threading.Thread(target=loop, name="astratk-metrics-writer", daemon=True)
+        thread.start()
+
+        def close() -> None:
+            stop.set()
+            thread.join(timeout=60)
+
+        return close
+
     def _collect(self, results: dict[str, dict[str, Any]]) -> None:
         from astratk.runtime.evaluation import per_policy
 

@@ -35,3 +35,48 @@ def test_astratk_run_cli_end_to_end(tmp_path):
     assert metrics.is_file()
     saved = yaml.safe_load((metrics.parent / "config.yaml").read_text())
     assert saved["rollout"]["temperature"] == 0.9  # the override reached the run
+
+
+def test_a_killed_run_keeps_the_metrics_it_wrote_while_training(tmp_path):
+    """`metrics_every_s`: metrics.nc is rewritten while the run trains (attribute partial = 1, atomically), so that a
+    run killed mid-way (SIGKILL: no clean-up at all) leaves its steps and evaluations on disk."""
+    import os
+    import signal
+    import time
+
+    from astratk.metrics import load
+
+    config = {
+        "name": "killed", "output_dir": str(tmp_path / "runs"), "metrics_every_s": 1.0,
+        "env": {"class_path": "arithmetic", "init_args": {"levels": [1], "n_heldout": 16}},
+        "policies": [{"model": {"cache_dir": str(tmp_path / "cache"),
+                                "tiny": {"warm_start_steps": 10, "warm_start_batch": 8, "warm_start_target": None}},
+                      "trainer": {"max_steps": 100000, "groups_per_step": 2}}],
+        "rollout": {"group_size": 4, "max_new_tokens": 4, "tasks_per_chunk": 2},
+        "dataflow": {"filter_zero_variance": False},
+        "eval": {"interval_s": 2, "max_tasks": 8},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "astratk.cli", "run", "--config", str(path)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        ds = None
+        while time.monotonic() < deadline:
+            files = list((tmp_path / "runs").glob("killed-*/metrics.nc"))
+            if files:
+                ds = load(files[0])
+                if ds.sizes.get("step", 0) >= 3 and ds.sizes.get("evaluation", 0) >= 2:
+                    break
+            assert proc.poll() is None, "the run ended before it was killed"
+            time.sleep(0.5)
+        else:
+            raise AssertionError("timed out after 240 s waiting for metrics.nc with 3 steps and 2 evaluations")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and its Dask workers, with no chance to clean up
+        proc.wait(30)
+    ds = load(files[0])  # still there, and whole
+    assert ds.attrs["partial"] == 1 and ds.sizes["step"] >= 3
+    assert (ds["train_time_s"].sel(policy="main").values[:3] >= 0).all()
+    assert ds["eval_accuracy"].sizes["evaluation"] >= 2

@@ -92,13 +92,14 @@ def _bars(bars) -> dict[tuple[str, ...], float]:
 
 # ------------------------------------------------------------------------------------------------------- dataset
 def test_dataset_layout_has_named_dims_and_coordinates(ds):
-    assert dict(ds.sizes) == {"policy": 2, "step": N_STEPS, "eval": N_EVALS, "service": 3, "hardware": 2,
-                              "drop": len(DROPS)}
+    assert dict(ds.sizes) == {"policy": 2, "step": N_STEPS, "evaluation": N_EVALS, "service": 3, "hardware": 2,
+                              "drop_record": len(DROPS)}
     assert list(ds.policy.values) == list(POLICIES)
     for name in ("train_reward_mean", "train_staleness_max", "loss_tv_mean", "loss_w_min"):
         assert ds[name].dims == ("policy", "step"), name
     assert bool(ds["loss_w_mean"].sel(policy="verifier").isnull().all())  # the verifier's loss reports no w
-    assert ds["eval_accuracy"].dims == ("policy", "eval") and ds["eval_accuracy_solver"].dims == ("policy", "eval")
+    assert ds["eval_accuracy"].dims == ("policy", "evaluation")
+    assert ds["eval_accuracy_solver"].dims == ("policy", "evaluation")
     assert ds["data_groups_dropped_stale"].dims == ("policy",)
     assert ds.attrs["counter_data_leases_issued"] == 140 and ds.attrs["name"] == "synthetic"
     # services: one row per rollout worker with its hardware label as a coordinate; classes aggregate them

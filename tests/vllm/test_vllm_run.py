@@ -34,4 +34,4 @@ def test_run_with_vllm_engine_in_dask_workers(tmp_path):
                  & (main["train_behavior_version_max"] == main["train_policy_version"]))
     assert int(on_policy.sum()) >= 1
     assert float(main["loss_tv_max"].where(on_policy).max()) < 1e-4
-    assert ds.sizes["eval"] >= 2
+    assert ds.sizes["evaluation"] >= 2
