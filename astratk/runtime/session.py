@@ -158,6 +158,8 @@ class Session:
         self.resume_point: ResumePoint | None = None  # with resume_from (one policy only)
         self.stream: Any = None  # the in-process trainer's GroupStream (single-policy runs)
         self.recorders: dict[str, Any] = {}  # the in-process trainer's StepRecorder: its rows grow as it trains
+        self.trainer_loggers: list[Any] = []  # the in-process trainer's Lightning loggers (evaluations go there too)
+        self._logger_error: str | None = None
         self.metrics_writes = 0  # partial metrics.nc files written while training (metrics_every_s)
         self.trainer_error: BaseException | None = None  # what the in-process trainer raised, if it did
         # per policy: the groups its trainer trained on, in order
@@ -286,7 +288,46 @@ class Session:
         self.evaluator.on_record = self._print_eval
         self._on_exit(self.evaluator.stop)
 
+    def _log(self, metrics: dict[str, float], step: int, flush: bool = False) -> None:
+        """Send run-level metrics to the in-process trainer's loggers; a logger that fails is reported once and
+        never stops the run."""
+        if not self.trainer_loggers:
+            return
+        from astratk.training.loggers import log_run_metrics
+
+        try:
+            log_run_metrics(self.trainer_loggers, metrics, step, flush=flush)
+        except Exception as e:  # noqa: BLE001 - loggers are a view; the run's metrics.nc has everything
+            if self._logger_error is None:
+                self._logger_error = repr(e)
+                self.print(f"a logger refused the run's metrics ({type(e).__name__}: {e}); they stay in metrics.nc")
+
+    def _log_eval(self, r: dict[str, float]) -> None:
+        if len(self.spec.policies) != 1:
+            return
+        pid = self.spec.policies[0].policy_id
+        keys = [k for k in r if k == "accuracy" or k.startswith(("accuracy_", "pass_at_"))]
+        self._log({f"eval/{pid}/{k}": r[k] for k in keys}, step=int(r["version"]),
+                  flush=self.state != "training")
+
+    def _log_counters(self, flush: bool = False) -> None:
+        """The data layer's throughput and drop counters, and the rollout services' speed, at the trainer's step."""
+        if not self.trainer_loggers:
+            return
+        data = self.deployment.datalayer.metrics(timeout=10)
+        keep = ("samples_received", "groups_received", "groups_admitted", "groups_served", "reward_mean_received",
+                "buffer_groups")
+        out = {k: v for k, v in data.items()
+               if k.startswith("data/") and (k.rsplit("/", 1)[-1] in keep or "dropped" in k)}
+        services = self.deployment.acquisition.services.by_service()
+        if services:
+            for name in ("tasks_per_s", "tokens_per_s"):
+                out[f"rollout/{name}"] = float(sum(row.get(name, 0.0) for row in services.values()))
+        steps = max((len(rec.rows) for rec in self.recorders.values()), default=0)
+        self._log(out, step=steps, flush=flush)
+
     def _print_eval(self, r: dict[str, float]) -> None:
+        self._log_eval(r)
         published = r["train_time_s"] == r["train_time_s"]  # NaN before training starts
         when = f" (weights published at {r['train_time_s']:.0f}s)" if published else ""
         if len(self.spec.policies) == 1:
@@ -364,6 +405,8 @@ class Session:
         try:
             base = self.evaluator.evaluate(self._first_version())
             fit = trainers()
+            for record in list(self.evaluator.records):  # the first evaluation came before the trainer's loggers
+                self._log_eval(record)
             t0 = time.time()
             self.evaluator.train_t0 = t0
             self.evaluator.start()
@@ -379,6 +422,8 @@ class Session:
             self.trainer_error = errors[0] if errors else None
             final = self._final_evaluation()
             self._collect(results)
+            with contextlib.suppress(Exception):  # a view of counters the run has already collected
+                self._log_counters(flush=True)
             summary = self._summary(base, final, train_time, results)
         except BaseException:
             self.state = "failed"
@@ -428,6 +473,7 @@ class Session:
             run_dir=self.run_dir, stop_file=trainer_dir(self.run_dir, policy_id) / "STOP",
             printer=self.print, status=lambda: self._status(policy_id), extra=feed)
         self.recorders[policy_id] = trainer.recorder
+        self.trainer_loggers = list(trainer.trainer.loggers)
         ckpt = self.resume_point.checkpoint if self.resume_point else None
         return lambda: {policy_id: trainer.fit(ckpt)}
 
@@ -487,6 +533,7 @@ class Session:
                 try:
                     save(self.partial_metrics(), self.run_dir / "metrics.nc")
                     self.metrics_writes += 1
+                    self._log_counters()
                 except Exception as e:  # noqa: BLE001 - the run goes on; the final write is the one that matters
                     if not reported:
                         reported.append(repr(e))

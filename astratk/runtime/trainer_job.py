@@ -304,9 +304,12 @@ def train_cli(args: list[str] | None = None, run: bool = True) -> Any:
             cfg = self.config[self.subcommand] if self.subcommand else self.config
             # No --trainer.logger given: the policy's `trainer.loggers`.
             if cfg.trainer.get("logger") in (None, True):
-                ts = _policy_spec(cfg.run_config, cfg.policy_id).policy(cfg.policy_id).trainer
+                from astratk.training.loggers import log_config
+
+                spec = _policy_spec(cfg.run_config, cfg.policy_id)
                 root = Path(cfg.trainer.get("default_root_dir") or os.getcwd())
-                kwargs["logger"] = build.loggers(ts, root)
+                kwargs["logger"] = build.loggers(spec.policy(cfg.policy_id).trainer, root)
+                log_config(kwargs["logger"], spec)
             return super().instantiate_trainer(**kwargs)
 
     return TrainCLI(DeployedPolicy, DeploymentData, args=args, run=run,

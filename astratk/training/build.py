@@ -242,5 +242,9 @@ def build_trainer(spec: RunSpec, policy_id: str, *, model_path: str, stream: Gro
     ckpt = checkpoint_args(ts, Path(run_dir) / "checkpoints" / policy_id)
     if ckpt is not None:
         steps.append(pl.callbacks.ModelCheckpoint(**ckpt))
-    trainer = pl.Trainer(logger=loggers(ts, run_dir), callbacks=steps, **flags)
+    from astratk.training.loggers import log_config
+
+    made = loggers(ts, run_dir)
+    log_config(made, spec)  # the whole resolved config, the loss's class and arguments included
+    trainer = pl.Trainer(logger=made, callbacks=steps, **flags)
     return PolicyTrainer(trainer, module, RolloutDataModule(stream), recorder)

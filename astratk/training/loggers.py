@@ -12,10 +12,19 @@ W&B and MLflow name the run after the run directory; MLflow's experiment is `$ML
 View them with `tensorboard --logdir root/tensorboard` and `mlflow ui --backend-store-uri sqlite:///root/mlflow.db`.
 mlflow-skinny works with a tracking server only (it has no SQLite store).
 
-W&B runs **offline** unless `WANDB_MODE` is set (`online`, `offline`, `disabled`): a run must not need a network or
-an account to finish, and `wandb sync root/wandb/offline-run-*` uploads it later (Lightning marks offline by setting
-WANDB_MODE=dryrun in the process, so later W&B loggers there stay offline too). Each logger keeps to its own folder
-(two Lightning loggers sharing one folder would each number their version after the other's).
+W&B runs **online when you are logged in** (`wandb login`, which stores a key in `~/.netrc`, or `WANDB_API_KEY` set)
+and **offline otherwise**, so a run never needs a network or an account to finish; `WANDB_MODE` (`online`,
+`offline`, `disabled`) overrides both, and `wandb sync root/wandb/offline-run-*` uploads an offline run later
+(Lightning marks offline by setting WANDB_MODE=dryrun in the process, so later W&B loggers there stay offline too).
+Each logger keeps to its own folder (two Lightning loggers sharing one folder would each number their version after
+the other's).
+
+What they receive: the trainer's per-step metrics (`train/<policy>/...`, `loss/...`), the run's whole resolved
+configuration as hyperparameters (`log_config`: the loss's class and arguments included, as dotted keys), and from the
+run itself (`log_run_metrics`, single-policy runs whose trainer runs in the run's process) every held-out evaluation
+(`eval/<policy>/accuracy`, per role, pass@k, at the evaluated version's step) and, every `metrics_every_s` and at
+the end, the data layer's throughput and drop counters (`data/...`). Multi-policy runs' trainer jobs log their own
+training metrics and configuration; their evaluations are in the run's `metrics.nc`.
 
 Example:
     >>> from pathlib import Path
@@ -28,6 +37,7 @@ Extending: write `_build_<name>(root, run_name) -> Logger` and add a `LoggerKind
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,9 +64,27 @@ def _build_tensorboard(root: Path, run_name: str) -> Any:
     return _lightning_loggers().TensorBoardLogger(root, name="tensorboard", default_hp_metric=False)
 
 
+def wandb_logged_in() -> bool:
+    """True when W&B has credentials here: `WANDB_API_KEY`, or the `~/.netrc` entry `wandb login` writes (for
+    `WANDB_BASE_URL`'s host, default api.wandb.ai)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
+
+
 def _build_wandb(root: Path, run_name: str) -> Any:
     root.mkdir(parents=True, exist_ok=True)  # wandb falls back to a temp dir when `dir` does not exist
-    return _lightning_loggers().WandbLogger(name=run_name, save_dir=str(root), offline="WANDB_MODE" not in os.environ,
+    offline = "WANDB_MODE" not in os.environ and not wandb_logged_in()
+    return _lightning_loggers().WandbLogger(name=run_name, save_dir=str(root), offline=offline,
                                             project=os.environ.get("WANDB_PROJECT", DEFAULT))
 
 
@@ -113,6 +141,50 @@ def check_loggers(names: Sequence[str], key: str = "trainer.loggers") -> list[st
         if kind.check is not None and (problem := kind.check()):
             raise ValueError(f"{key}[{i}]: the {name!r} logger: {problem} (or drop {name!r} from {key})")
     return list(names)
+
+
+def flat_config(spec: Any) -> dict[str, Any]:
+    """The resolved run spec as dotted keys with plain values (`policies.0.loss.class_path`,
+    `policies.0.loss.init_args.delta`, ...): what loggers accept as hyperparameters."""
+    from astratk.config import to_plain
+
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[prefix] = value
+        else:
+            out[prefix] = str(value)
+
+    walk("", to_plain(spec))
+    return {k: ("null" if v is None else v) for k, v in out.items()}
+
+
+def log_config(loggers: Any, spec: Any) -> None:
+    """Send the run's resolved configuration (`flat_config`) to each logger as hyperparameters."""
+    if not loggers:
+        return
+    params = flat_config(spec)
+    for logger in loggers if isinstance(loggers, (list, tuple)) else [loggers]:
+        logger.log_hyperparams(params)
+
+
+def log_run_metrics(loggers: Sequence[Any], metrics: dict[str, float], step: int, flush: bool = False) -> None:
+    """Send metrics the run measures outside the trainer (evaluations, throughput, drops) to the trainer's loggers at
+    `step`; `flush` writes them out at once (after the trainer has finished, nothing else would)."""
+    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    if not clean:
+        return
+    for logger in loggers:
+        logger.log_metrics(clean, step=step)
+        if flush:
+            logger.save()
 
 
 def make_loggers(names: Sequence[str], run_dir: Path, name: str) -> list[Any]:

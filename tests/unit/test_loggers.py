@@ -128,6 +128,8 @@ def test_wandb_offline_and_mlflow_local_store_when_installed(model_path, tmp_pat
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # not the user's home
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # not logged in: offline
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     run_dir = tmp_path / "run-x"
     made = loggers.make_loggers(["wandb", "mlflow"], run_dir, "lightning")
@@ -144,3 +146,30 @@ def test_wandb_offline_and_mlflow_local_store_when_installed(model_path, tmp_pat
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.run_name == "run-x"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/main/loss/tv_mean")] == [0, 1]
+
+
+def test_wandb_goes_online_only_for_a_logged_in_user(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert not loggers.wandb_logged_in()  # no file
+    netrc.write_text("machine example.com login a password b\n")
+    assert not loggers.wandb_logged_in()  # another host
+    netrc.write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
+    netrc.chmod(0o600)
+    assert loggers.wandb_logged_in()
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef")
+    assert loggers.wandb_logged_in()
+
+
+def test_flat_config_names_the_loss_and_its_arguments():
+    from astratk.losses.drpo import DRPO
+    from astratk.spec import PolicySpec, RunSpec
+
+    flat = loggers.flat_config(RunSpec(policies=[PolicySpec(loss=DRPO(delta=0.7))]))
+    assert flat["policies.0.loss.class_path"] == "astratk.losses.drpo.DRPO"
+    assert flat["policies.0.loss.init_args.delta"] == 0.7
+    assert flat["rollout.group_size"] >= 1 and flat["env.class_path"].endswith("ArithmeticEnv")
+    assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())
