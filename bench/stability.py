@@ -76,6 +76,9 @@ REGIMES = ("sync", "async4", "stale16", "bf16")
 # seeds per regime in the full grid: the synchronous regime runs at half the speed, so it gets fewer (the budget)
 SEEDS = {"sync": 2, "async4": 3, "stale16": 3, "bf16": 3}
 ENVS = ("arithmetic", "math_word")
+# one colour per loss, the same in every panel (tab20's strong half, then its light half)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#aec7e8", "#ffbb78")
 COLLAPSE_DROP = 0.10  # accuracy this far below its start is a collapse even without a gain to lose
 
 
@@ -98,6 +101,12 @@ def cell_spec(args: argparse.Namespace, loss: str, regime: str, seed: int, out_d
     p.trainer.max_time_s = float(args.max_seconds)
     p.trainer.updates_per_batch = args.updates
     spec.weights.keep_last = None  # every version stays until the cell is evaluated (then the run is deleted)
+    if args.smoke:  # astratk.quick.smoke's tiny warm start and batch (the tutorial's short mode, the tests)
+        from astratk.quick import smoke
+
+        spec = smoke(spec, steps=args.steps)
+        p = spec.policies[0]
+        p.trainer.max_time_s = float(args.max_seconds)
     if regime == "sync":
         spec.dataflow.synchronous = True
     elif regime == "async4":
@@ -183,12 +192,10 @@ def grid(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     if args.cell:
         loss, regime, seed = args.cell.split(":")
         return [(loss, regime, int(seed))]
-    cells = []
-    for regime in args.regime_list:
-        n = args.seeds if args.seeds is not None else (1 if args.quick else SEEDS[regime])
-        for seed in range(n):
-            cells.extend((loss, regime, seed) for loss in args.loss_list)
-    return cells
+    # seed-major: an interrupted grid (--resume continues it) has every (loss, regime) at its first seeds
+    n = {r: args.seeds if args.seeds is not None else (1 if args.quick else SEEDS[r]) for r in args.regime_list}
+    return [(loss, regime, seed) for seed in range(max(n.values(), default=0)) for regime in args.regime_list
+            if seed < n[regime] for loss in args.loss_list]
 
 
 def summarise(cells: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -239,6 +246,9 @@ def clip_table(table: dict[tuple[str, str], dict[str, Any]], losses: list[str], 
 
 def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: list[str], out: Path
          ) -> dict[str, Path]:
+    """`heatmap` (median gain per loss and regime, collapses in the hover) and `curves` (median accuracy against
+    version, one panel per regime): `.html` (bokeh) and `.png` (matplotlib), each built with its own backend current
+    (bokeh's PNG export would need a browser driver)."""
     import holoviews as hv
     import hvplot.pandas  # noqa: F401
     import pandas as pd
@@ -251,27 +261,62 @@ def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: l
     heat = heat.astype({"loss": object, "regime": object, "collapsed": object})
     heat = heat.sort_values(["loss", "regime"], key=lambda col: col.map(
         {**{x: i for i, x in enumerate(losses)}, **{x: i for i, x in enumerate(regimes)}}))
-    hm = heat.hvplot.heatmap(x="regime", y="loss", C="gain (points)", cmap="RdYlGn", width=520,
-                             height=40 * len(losses) + 120, hover_cols=["collapsed"],
-                             title="median held-out accuracy gain at the end (points)")
-    labels = hv.Labels(heat.assign(text=heat["gain (points)"].map("{:+.1f}".format)), kdims=["regime", "loss"],
-                       vdims=["text"])
-    heat_plot = hm * labels
+    heat["text"] = [f"{g:+.1f}" + (f" ({c})" if not c.startswith("0/") else "")
+                    for g, c in zip(heat["gain (points)"], heat["collapsed"], strict=True)]
     rows = [{"loss": c["loss"], "regime": c["regime"], "seed": c["seed"], "step": p["version"],
              "accuracy": 100 * p["accuracy"]} for c in cells for p in c["curve"]]
     frame = pd.DataFrame(rows).astype({"loss": object, "regime": object})
-    curves = frame.groupby(["loss", "regime", "step"], as_index=False)["accuracy"].median().hvplot.line(
-        x="step", y="accuracy", by="loss", groupby="regime", width=640, height=360,
-        title="held-out accuracy (median over seeds) against version").layout("regime").cols(2)
+    medians = frame.groupby(["loss", "regime", "step"], as_index=False)["accuracy"].median()
+    span = max(abs(heat["gain (points)"]).max(), 1.0)
+    # numeric cell positions (the first loss on top) with the names as ticks: both backends draw the same grid, and
+    # matplotlib can label cells, which it cannot on categorical axes
+    heat["x"] = heat["regime"].map({r: i for i, r in enumerate(regimes)})
+    heat["y"] = heat["loss"].map({name: len(losses) - 1 - i for i, name in enumerate(losses)})
+    ticks = {"xticks": list(enumerate(regimes)), "yticks": [(len(losses) - 1 - i, n) for i, n in enumerate(losses)]}
+    colors = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(losses)}
+
+    def build(backend: str) -> dict[str, Any]:
+        bokeh = backend == "bokeh"
+        size = ({"width": 620, "height": 36 * len(losses) + 140, "tools": ["hover"]} if bokeh
+                else {"fig_size": 170, "aspect": 1.1, "show_values": False})
+        hm = hv.HeatMap(heat, kdims=["x", "y"], vdims=["gain (points)", "loss", "regime", "collapsed"]).opts(
+            cmap="RdYlGn", clim=(-span, span), colorbar=True, xlabel="regime", ylabel="loss",
+            title="median held-out accuracy gain at the end (points; collapsed runs)", **ticks, **size)
+        labels = hv.Labels(heat, kdims=["x", "y"], vdims=["text"]).opts(
+            **({"text_font_size": "9pt", "text_color": "black"} if bokeh else {"size": 8, "color": "black"}))
+        panels = []
+        for regime in regimes:
+            sub = medians[medians["regime"] == regime]
+            overlay = None
+            for loss in losses:
+                line = sub[sub["loss"] == loss]
+                if line.empty:
+                    continue
+                curve = hv.Curve(line, "step", "accuracy", label=loss).opts(color=colors[loss])
+                overlay = curve if overlay is None else overlay * curve
+            if overlay is not None:
+                opts = ({"width": 460, "height": 320, "legend_position": "right"} if bokeh
+                        else {"fig_size": 110, "legend_position": "right"})
+                panels.append(overlay.opts(title=regime, xlabel="version (optimiser step)",
+                                           ylabel="held-out accuracy (%)", **opts))
+        layout = hv.Layout(panels).cols(2)
+        if not bokeh:  # room for each panel's legend beside it
+            layout = layout.opts(hspace=1.1, vspace=0.5, sublabel_format="")
+        return {"heatmap": hm * labels, "curves": layout}
+
+    previous = hv.Store.current_backend if hv.Store.current_backend in hv.Store.renderers else "bokeh"
+    hv.extension("bokeh", "matplotlib", logo=False)
     files = {}
-    for name, obj in (("heatmap", heat_plot), ("curves", curves)):
-        hv.save(obj, out / f"{name}.html")
-        files[f"{name}_html"] = out / f"{name}.html"
-        try:
-            hv.save(obj, out / f"{name}.png", fmt="png")
+    try:
+        for name, obj in build("bokeh").items():
+            hv.save(obj, out / f"{name}.html", backend="bokeh", resources="inline")
+            files[f"{name}_html"] = out / f"{name}.html"
+        hv.Store.set_current_backend("matplotlib")
+        for name, obj in build("matplotlib").items():
+            hv.save(obj, out / f"{name}.png", backend="matplotlib", dpi=90)
             files[f"{name}_png"] = out / f"{name}.png"
-        except Exception as e:  # noqa: BLE001 - PNG export needs a browser driver; the HTML is always written
-            print(f"  PNG export of {name} failed ({type(e).__name__}: {e}); the HTML has it")
+    finally:
+        hv.Store.set_current_backend(previous)
     return files
 
 
@@ -282,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated from {list(REGIMES)}")
     ap.add_argument("--seeds", type=int, default=None, help=f"seeds per cell (default per regime: {SEEDS})")
     ap.add_argument("--env", choices=ENVS, default="arithmetic")
-    ap.add_argument("--steps", type=int, default=90, help="optimiser steps (data-layer batches) per run")
+    ap.add_argument("--steps", type=int, default=60, help="optimiser steps (data-layer batches) per run")
     ap.add_argument("--max-seconds", type=float, default=150.0, help="training time cap per run")
     ap.add_argument("--updates", type=int, default=2, help="trainer.updates_per_batch")
     ap.add_argument("--lr", type=float, default=2e-4, help="learning rate of every run")
@@ -292,6 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", action="store_true", help="skip cells already in --out/cells.jsonl")
     ap.add_argument("--cell", default=None, help="run one cell, LOSS:REGIME:SEED (appended to cells.jsonl)")
     ap.add_argument("--quick", action="store_true", help="smoke: 2 losses x 2 regimes x 1 seed, 6 steps, 32 tasks")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny warm start (30 steps) and 4 groups of 4 per step: for trying the script in a minute")
     ap.add_argument("--verbose", action="store_true", help="show each run's own output")
     args = ap.parse_args(argv)
     if args.quick:

@@ -48,7 +48,8 @@ def test_quick_grid_then_one_cell_then_resume(tmp_path):
     # the loss's own fractions: DRPO reports the share of tokens beyond its boundary; PG-IS has none to report
     assert 0.0 <= cells[("drpo_d0.2", "stale16")]["fractions"]["beyond_boundary_frac"] <= 1.0
     assert cells[("pg_is", "sync")]["fractions"] == {}
-    assert (out / "heatmap.html").stat().st_size > 0 and (out / "curves.html").stat().st_size > 0
+    for name in ("heatmap.html", "curves.html", "heatmap.png", "curves.png"):
+        assert (out / name).stat().st_size > 0, name
 
     # one cell again (the tutorial's "rerun one cell"): replaced in the grid, not duplicated
     proc = bench("--cell", "pg_is:sync:0", "--steps", "3", "--eval-every", "3", "--heldout", "32", "--out", str(out),
