@@ -36,7 +36,8 @@ import xarray as xr
 from astratk.metrics import EVAL_DIM
 from astratk.records import DROP_STAGES
 
-PLOTS = ("reward", "accuracy", "version_lag", "mismatch", "drpo_weights", "drops", "throughput")  # dashboard order
+PLOTS = ("reward", "accuracy", "loss", "response_length", "version_lag", "mismatch", "drpo_weights", "drops",
+         "throughput")  # dashboard order
 TASK_LEVEL = "all policies"  # how drops() labels task-level drops (drop_policy "")
 
 
@@ -90,6 +91,22 @@ class AstraAccessor:
         return df.hvplot.line(x="step", y="reward", by="series", title="training reward per role",
                               ylabel="mean reward", xlabel="optimizer step")
 
+    def loss(self) -> Any:
+        """The policy loss per step (`train_loss`), one line per policy."""
+        import hvplot.pandas  # noqa: F401
+
+        df = self._frame("loss", ["train_loss"])
+        return df.hvplot.line(x="step", y="train_loss", by="policy", title="policy loss", ylabel="loss",
+                              xlabel="optimizer step")
+
+    def response_length(self) -> Any:
+        """Mean completion length of each step's trained samples (`train_completion_tokens_mean`), per policy."""
+        import hvplot.pandas  # noqa: F401
+
+        df = self._frame("response_length", ["train_completion_tokens_mean"])
+        return df.hvplot.line(x="step", y="train_completion_tokens_mean", by="policy", title="response length",
+                              ylabel="completion tokens (mean)", xlabel="optimizer step")
+
     def accuracy(self) -> Any:
         """Held-out accuracy against the training time at which the evaluated weights were published, one line per
         policy, plus one per (policy, role) when the env reports per-role accuracy (`eval_accuracy_<role>`)."""
@@ -122,13 +139,17 @@ class AstraAccessor:
                                 ["policy", "step"])
             plots.append(long.hvplot.line(x="step", y="versions behind", by="series", title="version lag per step",
                                           xlabel="optimizer step"))
-        if self._has(["service_version_lag_mean"]):
+        # per service: when there are several services to compare (or nothing per step); grouped bars with a legend
+        # (nested category ticks collide)
+        n_services = self._ds.sizes.get("service", 0)
+        if self._has(["service_version_lag_mean"]) and (n_services > 1 or not plots):
             df = self._frame("version_lag", ["service_version_lag_mean"], ["service_version_lag_max"])
             long = df.melt(id_vars=["service"], value_vars=[c for c in df if c.startswith("service_version_lag_")],
                            var_name="stat", value_name="versions behind at admission")
             long["stat"] = long["stat"].str.removeprefix("service_version_lag_")
             plots.append(long.hvplot.bar(x="service", y="versions behind at admission", by="stat",
-                                         title="version lag per rollout service", xlabel="rollout service"))
+                                         title="version lag per rollout service", xlabel="rollout service"
+                                         ).opts(multi_level=False, show_legend=True))
         if not plots:
             raise MissingMetrics("version_lag(): the dataset lacks both ['train_staleness_mean'] (per step) and "
                                  "['service_version_lag_mean'] (per rollout service)")
@@ -160,7 +181,7 @@ class AstraAccessor:
 
         df = self._frame("drpo_weights", ["loss_w_mean"], ["loss_w_min", "loss_w_max"],
                          hint="the loss reports its gradient weight as `w_mean` (DRPO does)")
-        title, ylabel = "DRPO gradient weight w", "w (line: mean, band: min–max)"
+        title, ylabel = "DRPO gradient weight w", "w (mean, min–max)"
         line = df.hvplot.line(x="step", y="loss_w_mean", by="policy", xlabel="optimizer step", ylabel=ylabel,
                               title=title)
         if "loss_w_min" not in df or "loss_w_max" not in df:
@@ -191,6 +212,13 @@ class AstraAccessor:
 
         plots = []
         per_service = self._has(["service_tasks_per_s", "service_tokens_per_s"])
+        if per_service and self._ds.sizes.get("service", 0) == 1:  # one service: one panel, both speeds in its title
+            df = self._frame("throughput", per_service)
+            speeds = ", ".join(f"{float(df[v].iloc[0]):.0f} {v.removeprefix('service_').replace('_per_s', '/s')}"
+                               for v in per_service)
+            var = per_service[-1]
+            return df.hvplot.bar(x="service", y=var, title=f"rollout: {speeds}", xlabel="",
+                                 ylabel=var.removeprefix("service_").replace("_per_s", "/s"))
         if per_service:
             df = self._frame("throughput", per_service)
             df["hardware"] = df["service_hardware"]
@@ -198,7 +226,10 @@ class AstraAccessor:
                 unit = var.removeprefix("service_").replace("_per_s", "/s")
                 plots.append(df.hvplot.bar(x="service", y=var, by="hardware", stacked=True, rot=30,
                                            title=f"rollout {unit} per service", xlabel="", ylabel=unit))
+        # per class: when there are several classes to compare (or nothing per service)
         per_class = self._has(["hardware_tasks_per_s", "hardware_tokens_per_s"])
+        if self._ds.sizes.get("hardware", 0) < 2 and plots:
+            per_class = []
         for var in per_class:
             df = self._frame("throughput", [var])
             unit = var.removeprefix("hardware_").replace("_per_s", "/s")
@@ -247,7 +278,7 @@ class AstraAccessor:
             hv.save(self.dashboard(), html, backend="bokeh", resources="inline")
             hv.Store.set_current_backend("matplotlib")
             # Room between plots for matplotlib's outside legends and rotated ticks (its defaults overlap them).
-            static = self.dashboard().opts(sublabel_format="", vspace=0.8, hspace=0.9, fig_size=120,
+            static = self.dashboard().opts(sublabel_format="", vspace=0.8, hspace=1.4, fig_size=120,
                                            backend="matplotlib")
             hv.save(static, png, backend="matplotlib", dpi=90)
         finally:

@@ -39,7 +39,7 @@ DROPS = [  # (stage, reason, unit, policy, count) in data-path order, as build_d
     ("admission", "unscored", "trajectories", "solver", 3.0), ("admission", "zero_variance", "groups", "solver", 4.0),
     ("admission", "too_long", "groups", "verifier", 6.0),
     ("serving", "stale", "groups", "solver", 2.0), ("serving", "stale", "groups", "verifier", 0.0)]
-ALL_TITLES = ["training reward", "held-out accuracy", "version lag per step", "version lag per rollout service",
+ALL_TITLES = ["training reward", "held-out accuracy", "policy loss", "response length", "version lag per step", "version lag per rollout service",
               "training–inference mismatch |π − μ|", "DRPO gradient weight w", "dropped data by stage",
               "rollout tasks/s per service", "rollout tokens/s per service", "rollout tasks/s per hardware class",
               "rollout tokens/s per hardware class"]
@@ -54,6 +54,7 @@ def synthetic_metrics(policies=POLICIES, weights_for=("solver",), services=True,
         rows = []
         for i in range(N_STEPS):
             row = {f"train/{p}/reward_mean": 0.1 * i + k, f"train/{p}/time_s": 2.0 * i, f"train/{p}/loss": -0.01 * i,
+                   f"train/{p}/completion_tokens_mean": 5.0 + i,
                    f"train/{p}/staleness_mean": 0.5 + 0.1 * i + k, f"train/{p}/staleness_max": 2.0 + i % 2 + k,
                    f"train/{p}/loss/tv_mean": 0.02 + 0.001 * i + 0.01 * k, f"train/{p}/loss/tv_max": 0.3 + 0.01 * i}
             if p in weights_for:
@@ -186,9 +187,26 @@ def test_throughput_per_service_coloured_by_hardware_and_per_class(ds):
     assert _bars(tokens_class) == {("gpu_fast",): 875.0, ("gpu_slow",): 300.0}
 
 
+def test_loss_and_response_length_per_step(ds):
+    assert set(_lines(ds.astra.loss())) == {"solver", "verifier"}
+    lengths = _lines(ds.astra.response_length())
+    assert set(lengths) == {"solver", "verifier"} and len(lengths["solver"]) == N_STEPS
+
+
+def test_a_one_worker_run_draws_one_throughput_panel_and_no_per_service_lag(ds):
+    one = ds.isel(service=[0], hardware=[0])
+    panel = one.astra.throughput()  # one Bars, not a layout of four single-bar panels
+    assert _bars(panel) == {("gpu_fast-0",): 900.0}
+    assert panel.opts.get().kwargs["title"] == "rollout: 60 tasks/s, 900 tokens/s"
+    lag = one.astra.version_lag()  # the per-step lines only: one service has nothing to compare
+    assert set(_lines(lag)) == {"solver mean", "solver max", "verifier mean", "verifier max"}
+
+
 # ------------------------------------------------------------------------------------------ missing and skipping
 @pytest.mark.parametrize(("plot", "drop", "named"), [
     ("reward", ["train_reward_mean"], "train_reward_mean"),
+    ("loss", ["train_loss"], "train_loss"),
+    ("response_length", ["train_completion_tokens_mean"], "train_completion_tokens_mean"),
     ("accuracy", ["eval_accuracy"], "eval_accuracy"),
     ("version_lag", ["train_staleness_mean", "service_version_lag_mean"], "service_version_lag_mean"),
     ("mismatch", ["loss_tv_mean"], "loss_tv_mean"),
@@ -214,11 +232,11 @@ def test_dashboard_composes_what_the_dataset_supports(ds):
 
     full = ds.astra.dashboard()
     assert [hv.render(p, backend="bokeh").title.text for p in full] == ALL_TITLES
-    # a single-policy PPO run without services or counters: reward, accuracy, lag per step, mismatch only
+    # a single-policy PPO run without services or counters: reward, accuracy, loss, length, lag per step, mismatch
     small = synthetic_metrics(policies=("solver",), weights_for=(), services=False, counters=False)
     titles = [hv.render(p, backend="bokeh").title.text for p in small.astra.dashboard()]
-    assert titles == ["training reward", "held-out accuracy", "version lag per step",
-                      "training–inference mismatch |π − μ|"]
+    assert titles == ["training reward", "held-out accuracy", "policy loss", "response length",
+                      "version lag per step", "training–inference mismatch |π − μ|"]
     assert {"drpo_weights", "drops", "throughput"} < set(PLOTS)
     with pytest.raises(MissingMetrics, match="supports none"):
         build_dataset(["main"], {}, {}, {}).astra.dashboard()
