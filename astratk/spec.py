@@ -233,9 +233,11 @@ class TrainerSpec:
     """> 0: subtract entropy_coef * H(pi) per token (entropy bonus)"""
     max_staleness: int | None = None
     """this policy's staleness bound; None: dataflow.max_staleness"""
-    checkpoint_every: int | None = None
+    checkpoint_every: int | None = 100
     """save a Lightning checkpoint (and a matching data-layer snapshot) every k steps into <run
-    dir>/checkpoints/<policy>; None: no checkpoints"""
+    dir>/checkpoints/<policy>, for resume_from; None: no checkpoints"""
+    checkpoint_keep: int | None = 3
+    """checkpoints kept, the newest; None keeps all"""
     micro_batch_tokens: int | None = None
     """Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x longest row) and
     accumulate their gradients: activation memory scales with it, the update is the same. None: one forward."""
@@ -297,6 +299,8 @@ class TrainerSpec:
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"{key}.max_staleness must be >= 0 or null (dataflow.max_staleness), "
                              f"got {self.max_staleness}")
+        if self.checkpoint_keep is not None and self.checkpoint_keep < 1:
+            raise ValueError(f"{key}.checkpoint_keep must be >= 1 or null (keep all), got {self.checkpoint_keep}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"{key}.checkpoint_every must be >= 1 step or null (no checkpoints), "
                              f"got {self.checkpoint_every}")
@@ -671,9 +675,9 @@ class ClusterSpec:
 class WeightsSpec:
     url: str | None = None
     """fsspec URL of the weight store; None: <run dir>/weights"""
-    keep_last: int | None = 32
+    keep_last: int | None = 8
     """versions kept behind the newest (version 0, and the chains of kept versions' deltas, are always kept); None keeps
-    all"""
+    all. Keep more than dataflow.max_staleness and rollout.weight_lag"""
     full_every: int = 1
     """a full snapshot every N versions, sparse deltas between (AstraFlow: 10). Deltas pay off with bf16 copies
     (`publish_dtype: bfloat16`, ~5% of full at lr 1e-6; fp32 weights change in every element), so 1 (full only) is

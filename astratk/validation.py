@@ -106,11 +106,27 @@ def check_resume(spec: RunSpec) -> None:
     from astratk.runtime.session import find_resume_point
 
     try:
-        find_resume_point(spec, spec.policies[0].policy_id)
+        point = find_resume_point(spec, spec.policies[0].policy_id)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a garbage index or config too
         message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
         raise ValueError(message if message.startswith("resume_from") else
                          f"resume_from: {spec.resume_from!r} cannot be resumed: {message}") from None
+    from astratk.runtime.session import checkpoint_time_used, same_store
+
+    ts, key = spec.policies[0].trainer, "policies[0].trainer"
+    if point.step >= ts.max_steps:
+        raise ValueError(f"resume_from: the checkpoint is at step {point.step}, and {key}.max_steps is "
+                         f"{ts.max_steps}: nothing is left to train; raise {key}.max_steps (it counts the steps "
+                         "before the checkpoint too)")
+    if ts.max_time_s is not None and (used := checkpoint_time_used(point.checkpoint)) >= ts.max_time_s:
+        raise ValueError(f"resume_from: the checkpoint has already trained for {used:.0f} s, and {key}.max_time_s "
+                         f"is {ts.max_time_s:g}: nothing is left to train; raise {key}.max_time_s (it counts the "
+                         "training time before the checkpoint too) or set it to null to train to max_steps")
+
+    if spec.weights.url and same_store(spec.weights.url, point.store_url):
+        raise ValueError(f"weights.url: {spec.weights.url!r} is the weight store of the run being resumed; the "
+                         "resumed run writes its own (leave weights.url unset for <run dir>/weights, or give a new "
+                         "location), so that the run it continues keeps every version it published")
 
 
 def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:

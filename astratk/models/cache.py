@@ -78,6 +78,9 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    mask = os.umask(0o022)  # mkdtemp makes 0700: a cached model is for others (and other users' runs) to read
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
     try:
         _build(tiny, env, key, tmp, log)
         _publish(tmp, final, log)

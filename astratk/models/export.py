@@ -92,6 +92,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, policy_i
         _check_not_an_input(out, src)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: a model directory is for others to read too
         try:
             if src.lora is not None and not merge:
                 written_dtype, copied, kind = _write_adapter(src, tmp, dtype), [], "peft_adapter"
@@ -157,6 +158,12 @@ def _from_run_dir(run_dir: Path, policy_id: str, version: int | None, base: Path
     return _from_store(url, policy_id, version, base, provenance, protected)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # read it by setting it, then put it back
+    os.umask(mask)
+    return mask
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
@@ -164,15 +171,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _run_store_url(run_dir: Path, config: dict[str, Any]) -> str:
-    """Where `Session` published: `weights.url`; else, for a run resumed from another (`resume_from`), that run's
-    store (`find_resume_point`); else `<run_dir>/weights`."""
+    """Where `Session` published: `weights.url`; else `<run_dir>/weights`; else, for a run resumed by an astratk that
+    published into the resumed run's store (before resumed runs had their own), that run's store."""
     url = (config.get("weights") or {}).get("url")
     if url:
         return url
-    if config.get("resume_from"):
-        old = Path(config["resume_from"]).expanduser().resolve()
-        return (_read_yaml(old / "config.yaml").get("weights") or {}).get("url") or str(old / "weights")
-    return str(run_dir / "weights")
+    if (run_dir / "weights").is_dir() or not config.get("resume_from"):
+        return str(run_dir / "weights")
+    old = Path(config["resume_from"]).expanduser().resolve()
+    if old.is_file():  # a checkpoint: <run dir>/checkpoints/<policy>/step=K.ckpt
+        old = old.parents[2]
+    return (_read_yaml(old / "config.yaml").get("weights") or {}).get("url") or str(old / "weights")
 
 
 def _run_base_model(run_dir: Path, policy_id: str, config: dict[str, Any], summary: dict[str, Any]) -> Path:

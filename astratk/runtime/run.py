@@ -264,7 +264,8 @@ class Run:
     def _report(self, s: dict[str, Any], files: dict[str, Path]) -> None:
         p = self.print
         p("")
-        p(f"held-out accuracy: {s['accuracy_before']:.3f} (warm start, v0) -> {s['accuracy_after']:.3f} "
+        start = f"resumed, v{s.get('start_version', 0)}" if s.get("resumed_from") else "warm start, v0"
+        p(f"held-out accuracy: {s['accuracy_before']:.3f} ({start}) -> {s['accuracy_after']:.3f} "
           f"(v{s['final_version']}), gain {100 * s['accuracy_gain']:+.1f} points; best {s['accuracy_best']:.3f}")
         t = s.get("time_to_target_s")
         target = 100 * s["target_gain"]

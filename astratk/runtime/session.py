@@ -49,6 +49,41 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
 
 
+def copy_version(source: Any, target: Any, policy_id: str, version: int) -> None:
+    """Publish `source`'s `version` of `policy_id` (and its adapter config) to `target`: a resumed run starts its own
+    weight store from its checkpoint's weights, leaving the run it resumes (and the versions that run published
+    after the checkpoint) untouched."""
+    try:
+        state, _ = source.pull(policy_id, None, version)
+    except KeyError as e:
+        raise ValueError(f"resume_from: the checkpoint's weights (policy {policy_id!r} v{version}) are not in "
+                         f"{source.url}: {e.args[0] if e.args else e}") from None
+    if (config := source.adapter_config(policy_id)) is not None:
+        target.set_adapter_config(policy_id, config)
+    target.publish(policy_id, version, state)
+
+
+def checkpoint_time_used(path: str | Path) -> float:
+    """Seconds of training a Lightning checkpoint has used of its `max_time` (its Timer's state; 0 without one).
+    Memory-mapped: the weights are not read."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    timer = (state.get("callbacks") or {}).get("Timer") or {}
+    return float((timer.get("time_elapsed") or {}).get("train", 0.0))
+
+
+def same_store(a: str, b: str) -> bool:
+    """Whether two weight-store URLs name one place (local paths compared resolved)."""
+    import fsspec
+
+    fa, pa = fsspec.core.url_to_fs(a)
+    fb, pb = fsspec.core.url_to_fs(b)
+    if fa.protocol != fb.protocol:
+        return False
+    if "file" in (fa.protocol if isinstance(fa.protocol, tuple) else (fa.protocol,)):
+        return Path(pa).resolve() == Path(pb).resolve()
+    return pa.rstrip("/") == pb.rstrip("/")
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run continues: a trainer checkpoint, the weight store it published to, and
@@ -225,14 +260,15 @@ class Session:
         from astratk.weights.store import WeightStore
 
         spec = self.spec
+        store_url = spec.weights.url or str(self.run_dir / "weights")
         if spec.resume_from:
             [p] = spec.policies  # __init__ refused several
             rp = self.resume_point = find_resume_point(spec, p.policy_id)
-            WeightStore(rp.store_url).rollback(p.policy_id, rp.step)
+            copy_version(WeightStore(rp.store_url), WeightStore(store_url), p.policy_id, rp.step)
             self.print(f"resuming from {rp.checkpoint} (step {rp.step}) and data-layer snapshot "
-                       f"{rp.snapshot_url}/{rp.snapshot_name}")
-            return rp.store_url
-        store_url = spec.weights.url or str(self.run_dir / "weights")
+                       f"{rp.snapshot_url}/{rp.snapshot_name}; weights v{rp.step} copied to {store_url} (the "
+                       "resumed run's store is left as it was)")
+            return store_url
         for i, p in enumerate(spec.policies):
             publish_initial(WeightStore(store_url), p.policy_id, self.model_paths[p.policy_id],
                             p.model.lora, key=f"policies[{i}].model.lora")
@@ -624,6 +660,8 @@ class Session:
             "policy_id": first,
             "model_path": self.model_paths[first],
             "accuracy_before": base["accuracy"],
+            "start_version": self._first_version(),  # 0, or the resumed checkpoint's step
+            "resumed_from": str(self.resume_point.checkpoint) if self.resume_point else None,
             "accuracy_after": final["accuracy"],
             "accuracy_best": max(r["accuracy"] for r in evals),
             "accuracy_gain": final["accuracy"] - base["accuracy"],

@@ -138,6 +138,32 @@ def checkpoint_args(ts: TrainerSpec, dirpath: str | Path) -> dict[str, Any] | No
             "enable_version_counter": False}
 
 
+class PruneCheckpoints(pl.Callback):
+    """Keep the newest `keep` checkpoints (`step=K.ckpt`) in the directory ModelCheckpoint writes to; older ones are
+    deleted after each step (on the global rank 0 only)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+
+    def _prune(self, trainer: pl.Trainer) -> None:
+        if trainer.global_rank != 0:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            dirpath = getattr(cb, "dirpath", None)
+            if not dirpath or not Path(dirpath).is_dir():
+                continue
+            ckpts = sorted((p for p in Path(dirpath).glob("step=*.ckpt") if p.stem[5:].isdigit()),
+                           key=lambda p: int(p.stem[5:]))
+            for old in ckpts[:-self.keep]:
+                old.unlink(missing_ok=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._prune(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prune(trainer)
+
+
 def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: WeightStore,
               stop_file: str | Path, progress: bool = True,
               printer: Callable[[str], None] = print, status: Callable[[], str] | None = None,
@@ -162,6 +188,8 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     publisher = WeightPublisher(store, stream.datalayer, policy_id, ts.publish_every,
                                 publish_skipped=spec.dataflow.synchronous, background=ts.publish_in_background)
     out: list[pl.Callback] = [publisher, recorder, StopFile(stop_file)]
+    if ts.checkpoint_every and ts.checkpoint_keep:  # runs after ModelCheckpoint (a trainer's own callbacks come last)
+        out.append(PruneCheckpoints(ts.checkpoint_keep))
     if ts.divergence is not None:
         out.append(DivergenceGuard(ts.divergence, policy_id, recorder,
                                    printer=printer if spec.progress and progress else None))

@@ -54,10 +54,29 @@ def test_synchronous_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert a.sizes["step"] == 5 and b.sizes["step"] == 3  # the resumed run trained steps 3, 4, 5
     for name in COMPARED:
         np.testing.assert_array_equal(a[name].values[..., 2:], b[name].values, err_msg=name)
-    assert float(b["train_behavior_version_min"].values.ravel()[0]) == 2  # rolled back: v3..v5 of `full` were gone
+    assert float(b["train_behavior_version_min"].values.ravel()[0]) == 2  # its own store starts at the checkpoint
+    from astratk.weights.store import WeightStore
+
+    assert WeightStore(str(full.run_dir / "weights")).latest("main").version == 5  # the source run is left alone
+    assert WeightStore(str(resumed.run_dir / "weights")).latest("main").version == 5
+    assert any("copied to" in line for line in lines)
     assert float(a["train_reward_mean"].std()) > 0  # the comparison is not of constants
     data = resumed.summary
     assert data["final_version"] == 5
+    assert data["start_version"] == 2 and data["resumed_from"] == str(ckpt)
+    assert any("(resumed, v2)" in line for line in lines)
+
+    # resuming where nothing is left to train, or into the source run's own store, is refused before anything runs
+    from astratk.runtime.session import checkpoint_time_used
+
+    last = full.run_dir / "checkpoints" / "main" / "step=4.ckpt"
+    with pytest.raises(ValueError, match=r"at step 4, and policies\[0\]\.trainer\.max_steps is 4: nothing is left"):
+        sync_spec(tmp_path, "again", cache, steps=4, resume_from=str(last)).validate()
+    assert checkpoint_time_used(last) == 0.0  # no max_time_s: no Timer state
+    same = sync_spec(tmp_path, "again", cache, steps=8, resume_from=str(last))
+    same.weights.url = str(full.run_dir / "weights")
+    with pytest.raises(ValueError, match="is the weight store of the run being resumed"):
+        same.validate()
 
 
 def test_asynchronous_resume_loses_and_duplicates_no_group(tmp_path):

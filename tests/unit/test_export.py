@@ -224,8 +224,17 @@ def test_sources_that_cannot_say_their_base_model(run, tmp_path):
         export_hf(tmp_path / "nowhere", tmp_path / "c")
 
 
+def test_the_exported_directory_is_readable_by_others(exported):
+    import os
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert exported.stat().st_mode & 0o777 == 0o777 & ~mask  # 0755 under the usual umask, not mkdtemp's 0700
+
+
 def test_a_resumed_run_exports_from_the_store_it_published_to(run, tmp_path):
-    """`resume_from`: Session keeps publishing into the resumed run's store, so the new run dir has none."""
+    """`resume_from`, as astratk resumed runs before they had their own store: the new run dir has no weights, and
+    the export reads the resumed run's store. (A resumed run now copies its checkpoint's version into its own.)"""
     run_dir, base, models = run
     resumed = tmp_path / "resumed-run"
     resumed.mkdir()

@@ -269,3 +269,31 @@ def test_restored_leases_are_reissued_even_when_they_fill_the_prefetch_room(tmp_
     again = new.lease(100)
     assert [x.lease_id for x in again] == [f"L{i}" for i in range(8)]
     assert new.lease(100) == []  # and nothing new beyond the window
+
+
+def test_checkpoint_time_used_reads_the_timer_state(tmp_path):
+    import torch
+
+    from astratk.runtime.session import checkpoint_time_used
+
+    path = tmp_path / "step=3.ckpt"
+    torch.save({"callbacks": {"Timer": {"time_elapsed": {"train": 42.5, "validate": 0.0}}}, "state_dict": {}}, path)
+    assert checkpoint_time_used(path) == 42.5
+    torch.save({"callbacks": {}}, path)
+    assert checkpoint_time_used(path) == 0.0
+
+
+def test_prune_checkpoints_keeps_the_newest(tmp_path):
+    from types import SimpleNamespace
+
+    from astratk.training.build import PruneCheckpoints
+
+    for step in (2, 10, 4, 8, 6):
+        (tmp_path / f"step={step}.ckpt").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("kept")
+    trainer = SimpleNamespace(global_rank=0, checkpoint_callbacks=[SimpleNamespace(dirpath=str(tmp_path))])
+    PruneCheckpoints(2).on_train_end(trainer, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step=10.ckpt", "step=8.ckpt"]
+    PruneCheckpoints(1).on_train_batch_end(SimpleNamespace(global_rank=1, checkpoint_callbacks=trainer
+                                                           .checkpoint_callbacks))  # not rank 0: nothing
+    assert len(list(tmp_path.glob("*.ckpt"))) == 2
