@@ -32,6 +32,7 @@ markdown table, a heat-map (`heatmap.png/.html`: median accuracy gain per loss a
     python bench/stability.py                      # the full grid (~2 h on 2 cores)
     python bench/stability.py --quick              # smoke: 2 losses x 2 regimes x 1 seed, a few steps
     python bench/stability.py --resume             # continue an interrupted grid
+    python bench/stability.py --report             # the table and figures of the cells run so far
     python bench/stability.py --cell drpo_d0.2:stale16:0   # rerun one cell (loss:regime:seed)
     python bench/stability.py --losses drpo_d0.2,pg_is --regimes async4,stale16 --seeds 3
 """
@@ -287,13 +288,9 @@ def plot(cells: list[dict[str, Any]], table: dict, losses: list[str], regimes: l
         panels = []
         for regime in regimes:
             sub = medians[medians["regime"] == regime]
-            overlay = None
-            for loss in losses:
-                line = sub[sub["loss"] == loss]
-                if line.empty:
-                    continue
-                curve = hv.Curve(line, "step", "accuracy", label=loss).opts(color=colors[loss])
-                overlay = curve if overlay is None else overlay * curve
+            curves = [hv.Curve(sub[sub["loss"] == loss], "step", "accuracy", label=loss).opts(color=colors[loss])
+                      for loss in losses if not sub[sub["loss"] == loss].empty]
+            overlay = hv.Overlay(curves) if curves else None  # an Overlay even for one curve: it has the legend
             if overlay is not None:
                 opts = ({"width": 460, "height": 320, "legend_position": "right"} if bokeh
                         else {"fig_size": 110, "legend_position": "right"})
@@ -335,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heldout", type=int, default=256, help="held-out tasks each snapshot is evaluated on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stability")
     ap.add_argument("--resume", action="store_true", help="skip cells already in --out/cells.jsonl")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the table, JSON and figures of the cells already in --out/cells.jsonl")
     ap.add_argument("--cell", default=None, help="run one cell, LOSS:REGIME:SEED (appended to cells.jsonl)")
     ap.add_argument("--quick", action="store_true", help="smoke: 2 losses x 2 regimes x 1 seed, 6 steps, 32 tasks")
     ap.add_argument("--smoke", action="store_true",
@@ -374,23 +373,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "cells.jsonl"
     done: list[dict[str, Any]] = []
-    if (args.resume or args.cell) and log.exists():
+    if args.report and not log.exists():
+        raise SystemExit(f"--report: no {log}; run the grid first")
+    if (args.resume or args.cell or args.report) and log.exists():
         done = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     elif log.exists():
         log.unlink()  # a fresh grid
     key = lambda c: (c["loss"], c["regime"], c["seed"], c["env"])
     finished = {key(c) for c in done}
-    todo = [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished or args.cell]
+    missing = [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished]
+    todo = [] if args.report else [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished or args.cell]
+    initial = next((c["initial"] for c in done if c["env"] == args.env), math.nan)
     with tempfile.TemporaryDirectory(prefix="stability-") as tmp_name:
+        if not todo:
+            print(f"{len(done)} cells in {log}; {len(missing)} of the grid not run yet")
         tmp = Path(tmp_name)
         spec = cell_spec(args, args.loss_list[0] if not args.cell else args.cell.split(":")[0],
                          "async4", 0, tmp / "runs")
-        with torch_threads(1):
-            model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
-        evaluate = HeldOut(model_dir, spec.env, args.heldout, os.cpu_count() or 1)
-        initial = evaluate(evaluate.initial_state)
-        print(f"model {model_dir}: held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; {len(todo)} cells "
-              f"to run ({len(done)} already in {log})", flush=True)
+        if todo:
+            with torch_threads(1):
+                model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
+            evaluate = HeldOut(model_dir, spec.env, args.heldout, os.cpu_count() or 1)
+            initial = evaluate(evaluate.initial_state)
+            print(f"model {model_dir}: held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; {len(todo)} "
+                  f"cells to run ({len(done)} already in {log})", flush=True)
         for i, (loss, regime, seed) in enumerate(todo, 1):
             t = time.time()
             cell = run_cell(args, loss, regime, seed, evaluate, initial, tmp)
@@ -412,6 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
                "initial": initial, "cells": cells, "table": text, "fractions": fractions,
+               "complete": not missing, "missing": [":".join(map(str, c)) for c in missing],
                "summary": [{"loss": lo, "regime": re, **{k: v for k, v in row.items() if k != "runs"}}
                            for (lo, re), row in table.items()]}
     (args.out / "stability.json").write_text(json.dumps(payload, indent=1, default=float))

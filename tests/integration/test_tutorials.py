@@ -1,5 +1,7 @@
-"""Every tutorial runs top to bottom, as a script, in its short mode (`ASTRATK_TUTORIAL_SHORT=1`: a smoke budget,
-`astratk.quick.smoke`), with outputs and tiny models under a temporary directory."""
+"""Every tutorial runs top to bottom as a real notebook: jupytext turns the percent-format script into a notebook and
+nbclient executes it on a Jupyter kernel started in `tutorials/`, as Jupyter does when a user opens it there. Short
+mode (`ASTRATK_TUTORIAL_SHORT=1`: a smoke budget, `astratk.quick.smoke`) keeps each to a minute or two, with outputs
+and tiny models under a temporary directory. `tutorials/run.py` (the script way) runs one from the repository root."""
 
 from __future__ import annotations
 
@@ -16,21 +18,53 @@ ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 
 
-def test_there_are_six_tutorials():
-    assert len(TUTORIALS) == 6, TUTORIALS
+def test_there_are_seven_tutorials():
+    assert len(TUTORIALS) == 7, TUTORIALS
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    return tmp_path_factory.mktemp("tutorials")
+def short_env(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("tutorials")
+    return {"ASTRATK_TUTORIAL_SHORT": "1", "ASTRATK_TUTORIAL_OUTPUT": str(shared / "runs"),
+            "ASTRATK_CACHE": str(shared / "cache"), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif out.get("output_type") == "error":
+            parts.append("\n".join(out.get("traceback", [])))
+    return "".join(parts)
 
 
 @pytest.mark.parametrize("name", TUTORIALS)
-def test_tutorial_runs_top_to_bottom(name, shared):
-    env = {**os.environ, "ASTRATK_TUTORIAL_SHORT": "1", "ASTRATK_TUTORIAL_OUTPUT": str(shared / "runs"),
-           "ASTRATK_CACHE": str(shared / "cache"), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, "tutorials/run.py", name], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600, check=False)
+def test_tutorial_runs_as_a_notebook_from_its_folder(name, short_env, monkeypatch):
+    jupytext = pytest.importorskip("jupytext")
+    nbclient = pytest.importorskip("nbclient")
+    for key, value in short_env.items():  # the kernel inherits this process's environment
+        monkeypatch.setenv(key, value)
+    nb = jupytext.read(ROOT / "tutorials" / name)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT / "tutorials")}})
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as e:
+        pytest.fail(f"tutorials/{name} failed in its notebook:\n{str(e)[-4000:]}")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "tutorial done" in "".join(_text(c) for c in code)
+    if name.startswith("01"):  # the quickstart ends on its dashboard, displayed
+        kinds = {k for out in code[-1].get("outputs", []) if out.get("output_type") in ("execute_result",
+                                                                                       "display_data")
+                 for k in out.get("data", {})}
+        assert kinds & {"text/html", "application/vnd.holoviews_exec.v0+json"}, kinds
+
+
+def test_run_py_runs_a_tutorial_as_a_script(short_env):
+    env = {**os.environ, **short_env}
+    proc = subprocess.run([sys.executable, "tutorials/run.py", "01"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"tutorials/{name} failed:\n{out[-4000:]}"
+    assert proc.returncode == 0, f"tutorials/run.py 01 failed:\n{out[-4000:]}"
     assert "tutorial done" in proc.stdout, out[-2000:]
