@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,52 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return expand_short_names(data)
 
 
+# flags whose value is a plug-in: a short name there means what it means as `class_path` in YAML
+PLUGIN_FLAGS = ("env", "loss", "corrections", "curators", "filters", "class_path")
+
+
+def _short(name: str) -> str | None:
+    """The dotted path of a registry short name of any plug-in kind, or None."""
+    for kind in PLUGIN_KINDS:
+        if name in REGISTRY[kind]:
+            return REGISTRY[kind][name]
+    return None
+
+
+def expand_flag_value(flag: str, value: str) -> str:
+    """A command-line override's value with short names expanded, as YAML's are: `--policies.loss ppo_clip`,
+    `--env.class_path math_word`, `--policies.loss '{"class_path": "cispo", "init_args": {...}}'`."""
+    if flag.removeprefix("--").split(".")[-1] not in PLUGIN_FLAGS:
+        return value
+    if "." not in value and (path := _short(value.strip())) is not None:
+        return path
+    if value.lstrip().startswith(("{", "[")):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+        return json.dumps(expand_short_names(data))
+    return value
+
+
+def _expand_flags(args: list[str]) -> list[str]:
+    out: list[str] = []
+    for i, a in enumerate(args):
+        if a.startswith("--") and "=" in a:
+            flag, value = a.split("=", 1)
+            out.append(f"{flag}={expand_flag_value(flag, value)}")
+        elif i > 0 and args[i - 1].startswith("--") and "=" not in args[i - 1] and not a.startswith("--"):
+            out.append(expand_flag_value(args[i - 1], a))
+        else:
+            out.append(a)
+    return out
+
+
 def parse(argv: list[str]) -> RunSpec:
     """Parse CLI-style arguments (`--config FILE` plus dotted overrides) into a validated RunSpec."""
     # --config=FILE as --config FILE: every config file is read here (strictly), never by jsonargparse's own loader
     args = [part for a in argv for part in (a.split("=", 1) if a.startswith(("--config=", "-c=")) else [a])]
+    args = _expand_flags(args)
     args = ["--config" if a == "-c" else a for a in args]
     for i, a in enumerate(args):
         if a == "--config":
@@ -152,7 +195,11 @@ def parse(argv: list[str]) -> RunSpec:
 
     p = parser()
     try:
-        cfg = p.parse_args(args)
+        with warnings.catch_warnings():
+            # --print_config=skip_default compares with RunSpec's defaults, which are plug-in instances that
+            # jsonargparse cannot serialise: it warns about each one, and prints the config all the same
+            warnings.filterwarnings("ignore", message=r"\s*Unable to serialize instance")
+            cfg = p.parse_args(args)
         init = p.instantiate(cfg) if hasattr(p, "instantiate") else p.instantiate_classes(cfg)
     except ArgumentError as e:
         raise ValueError(f"bad configuration: {_one_line(str(e))}") from None

@@ -46,3 +46,38 @@ def test_short_config_flag_and_version(tmp_path, capsys):
     assert parse(["-c", str(cfg)]).rollout.group_size == 4
     assert parse([f"-c={cfg}", "--rollout.group_size", "2"]).rollout.group_size == 2
     assert main(["--version"]) == 0 and capsys.readouterr().out.startswith("astratk ")
+
+
+@pytest.mark.parametrize(("flags", "where", "expected"), [
+    (["--policies.loss", "ppo_clip"], "loss", "PPOClip"),
+    (["--policies.loss.class_path=cispo"], "loss", "CISPO"),
+    (["--policies.loss", '{"class_path": "cispo", "init_args": {"ratio_floor": 0.5}}'], "loss", "CISPO"),
+    (["--env", "math_word"], "env", "WordProblemEnv"),
+    (["--env.class_path", "math_word"], "env", "WordProblemEnv"),
+])
+def test_short_names_work_on_the_command_line_as_in_yaml(flags, where, expected):
+    from astratk.config import load_spec
+
+    spec = load_spec("tutorials/quickstart.yaml", flags)
+    obj = spec.policies[0].loss if where == "loss" else spec.env
+    assert type(obj).__name__ == expected
+    if "ratio_floor" in flags[-1]:
+        assert obj.ratio_floor == 0.5
+
+
+def test_a_flag_value_that_is_not_a_plug_in_is_left_alone():
+    from astratk.config import expand_flag_value
+
+    assert expand_flag_value("--name", "drpo") == "drpo"  # a run may be called after a loss
+    assert expand_flag_value("--policies.loss", "mypkg.MyLoss") == "mypkg.MyLoss"
+
+
+def test_print_config_skip_default_prints_no_warnings(capsys):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        main(["run", "--config", "tutorials/quickstart.yaml", "--print_config=skip_default"])
+    out, err = capsys.readouterr()
+    assert "name: quickstart" in out and "Unable to serialize" not in err + out
+    assert not [w for w in seen if "Unable to serialize" in str(w.message)]
