@@ -14,14 +14,21 @@ from astratk.quick import short_mode, smoke, tutorial_file
 run = astratk.Run.from_config(tutorial_file("quickstart.yaml"), "--output_dir", "runs/tutorials")
 if short_mode():
     run = astratk.Run(smoke(run.spec, steps=3))
-run  # noqa: B018 - a notebook cell shows its last value: the run handle and its state
 
 # %% [markdown]
-# `start(block=False)` returns at once and trains in the background; `run` then renders live progress, and
-# `run.pause()`, `run.resume()` and `run.stop()` control it. Here we block until it is done.
+# `start(block=False)` returns at once and trains in the background. Shown as a cell's last value, the run is a live
+# view that updates in place: progress against its step or time budget, the held-out accuracy so far with a small
+# curve, and the run's own log lines. `run.pause()`, `run.resume()` and `run.stop()` control it.
 
 # %%
-result = run.start()
+run.start(block=False)
+run  # noqa: B018 - the live view
+
+# %% [markdown]
+# `wait()` blocks until the run is done and returns its result: where the metrics, dashboard and summary are.
+
+# %%
+result = run.wait()
 print(result)
 
 # %% [markdown]

@@ -18,6 +18,7 @@ import json
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,12 +59,36 @@ class Run:
 
     def __init__(self, spec: RunSpec, printer: Callable[[str], None] = print) -> None:
         self.spec = spec.validate()
-        self.print = printer
+        self.printer = printer
+        self.log_lines: deque[str] = deque(maxlen=500)  # every line the run printed, newest last
+        self.quiet = False  # set while a live view shows the lines instead (astratk.runtime.view)
         self.result: RunResult | None = None
         self.session: Any = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+
+    def print(self, line: str) -> None:
+        """The run's log: kept in `log_lines`, and printed unless a live view shows it."""
+        self.log_lines.append(line)
+        if not self.quiet:
+            self.printer(line)
+
+    def view(self, every_s: float = 2.0) -> Any:
+        """Show the run in the notebook, updated in place every `every_s` seconds until it ends
+        (`astratk.runtime.view`); its log lines go there too. Returns the view (`stop()` ends the updates)."""
+        from astratk.runtime.view import LiveView
+
+        return LiveView(self, every_s).show()
+
+    def _ipython_display_(self) -> None:
+        """A run shown as a cell's last value: live while it trains in the background, a snapshot otherwise."""
+        if self._thread is not None and self.result is None and self.error is None:
+            self.view()
+            return
+        from IPython.display import HTML, display
+
+        display(HTML(self._repr_html_()))
 
     @classmethod
     def from_config(cls, path: str | Path, *overrides: str, printer: Callable[[str], None] = print) -> Run:
@@ -219,30 +244,24 @@ class Run:
                                 "buffer": int(m.get(k + "buffer_groups", 0)),
                                 "groups_served": int(m.get(k + "groups_served", 0)),
                                 "reward_received": m.get(k + "reward_mean_received", float("nan"))}
+        for p in self.spec.policies:
+            if isinstance(out.get(p.policy_id), dict):
+                out[p.policy_id]["max_time_s"] = p.trainer.max_time_s
+        t0 = getattr(session.evaluator, "train_t0", None)
+        if t0:
+            out["train_time_s"] = time.time() - t0
         evals = [r for r in session.evaluator.records if r.get("accuracy") == r.get("accuracy")]
         if evals:
             out["accuracy"] = evals[-1]["accuracy"]
             out["accuracy_version"] = int(evals[-1]["version"])
+            out["accuracy_curve"] = [(0.0 if r["train_time_s"] != r["train_time_s"] else float(r["train_time_s"]),
+                                      float(r["accuracy"])) for r in evals]
         return out
 
     def _repr_html_(self) -> str:
-        import html
+        from astratk.runtime.view import render
 
-        st = self.status()
-        rows = []
-        for p in self.spec.policies:
-            d = st.get(p.policy_id)
-            if isinstance(d, dict):
-                done = min(1.0, d["version"] / max(1, d["max_steps"]))
-                bar = (f"<div style='background:#eee;width:160px'><div style='background:#4a90d9;height:8px;"
-                       f"width:{160 * done:.0f}px'></div></div>")
-                rows.append(f"<tr><td>{html.escape(p.policy_id)}</td><td>v{d['version']}/{d['max_steps']}</td>"
-                            f"<td>{bar}</td><td>buffer {d['buffer']}</td><td>reward {d['reward_received']:.3f}</td>"
-                            "</tr>")
-        acc = (f"held-out accuracy {st['accuracy']:.3f} at v{st['accuracy_version']}" if "accuracy" in st else "")
-        extra = self.result._repr_html_() if self.result is not None else ""
-        return (f"<b>astratk run</b> <code>{html.escape(self.spec.name)}</code>: <i>{html.escape(st['state'])}</i> "
-                f"{acc}<table>{''.join(rows)}</table>{extra}")
+        return render(self)
 
     def _finish(self, run_dir: Path, session: Any, summary: dict[str, Any]) -> RunResult:
         import astratk.viz  # noqa: F401  (registers the .astra accessor)

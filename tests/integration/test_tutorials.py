@@ -54,7 +54,13 @@ def test_tutorial_runs_as_a_notebook_from_its_folder(name, short_env, monkeypatc
         pytest.fail(f"tutorials/{name} failed in its notebook:\n{str(e)[-4000:]}")
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "tutorial done" in "".join(_text(c) for c in code)
-    if name.startswith("01"):  # the quickstart ends on its dashboard, displayed
+    if name.startswith("01"):  # the live view updated in place to the finished run, with the run's log in it
+        views = [out for c in code for out in c.get("outputs", []) if out.get("output_type") == "display_data"
+                 and "astratk run" in out.get("data", {}).get("text/html", "")]
+        assert views, "the run's live view was not displayed"
+        final = views[0]["data"]["text/html"]
+        assert "<i>finished</i>" in final and "held-out accuracy" in final, final[-2000:]
+        # the quickstart ends on its dashboard, displayed
         kinds = {k for out in code[-1].get("outputs", []) if out.get("output_type") in ("execute_result",
                                                                                        "display_data")
                  for k in out.get("data", {})}
