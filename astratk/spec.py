@@ -744,7 +744,9 @@ class RunSpec:
     """the environment, as class_path (a short name such as arithmetic, math_word, search, code, or a dotted path) and
     init_args"""
     policies: list[PolicySpec] = field(default_factory=lambda: [PolicySpec()])
-    """the policies trained together; each plays one or more of the env's roles"""
+    """the policies trained together; each plays one or more of the env's roles. `--policies.help` lists every
+    policy key; a flag such as --policies.trainer.max_time_s 300 sets it on the last policy of the list (the only one
+    in a single-policy run): set the others' in the YAML file"""
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     """how rollouts are generated: engine, group size, sampling, timeouts"""
     dataflow: DataflowSpec = field(default_factory=DataflowSpec)

@@ -81,3 +81,11 @@ def test_print_config_skip_default_prints_no_warnings(capsys):
     out, err = capsys.readouterr()
     assert "name: quickstart" in out and "Unable to serialize" not in err + out
     assert not [w for w in seen if "Unable to serialize" in str(w.message)]
+
+
+def test_a_policies_flag_sets_the_last_policy_as_the_help_says():
+    from astratk.config import load_spec
+
+    spec = load_spec("tutorials/solver_verifier_two_policies.yaml", ["--policies.trainer.max_time_s", "300"])
+    assert [p.trainer.max_time_s for p in spec.policies][-1] == 300.0
+    assert [p.trainer.max_time_s for p in spec.policies][0] != 300.0
