@@ -1,14 +1,18 @@
 """`astratk` command line. `astratk run -c tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
 
+One style for every subcommand: `--key value` or `--key=value`, keys with underscores (`--policy_id`,
+`--run_config`, `--print_config`), dotted keys for configuration fields (`--trainer.max_steps`).
+
 `astratk run --help` documents every configuration key; `astratk --version` prints the version.
 
 Subcommands:
   run     a whole job: local cluster (or `cluster.scheduler_address`), data layer, rollouts, one trainer per policy
-  deploy  the data layer, acquisition and evaluation on an existing Dask scheduler (`--name`), for trainer jobs
+  deploy  the data layer, acquisition and evaluation on an existing Dask scheduler (`--deployment NAME`), for
+          trainer jobs
   train   `astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR [--trainer.*]`:
           a LightningCLI trainer job for one policy, attached to a deployment (`astratk train fit --help`)
   status  deployments on a scheduler and their data layers' state (`astratk status --scheduler ADDR`)
-  export  `astratk export RUN_DIR OUT_DIR [--policy main] [--version N] [--overwrite] [--merge]`: a trained policy
+  export  `astratk export RUN_DIR OUT_DIR [--policy_id main] [--version N] [--overwrite] [--merge]`: a trained policy
           as an HF model directory, a LoRA policy as a PEFT adapter directory (`--merge`: merged weights)
           (`astratk.models.export`; `astratk export --help` lists the other sources)
 """
@@ -60,15 +64,18 @@ def _parse_spec(argv: list[str], command: str) -> Any:
 
 
 def _deploy(argv: list[str]) -> int:
-    """`astratk deploy --config RUN.yaml --name NAME [--cluster.scheduler_address ADDR] [overrides]`."""
+    """`astratk deploy --config RUN.yaml --deployment NAME [--cluster.scheduler_address ADDR] [overrides]`: the
+    name trainer jobs attach to (`astratk train fit --deployment NAME`; `--name` is accepted too)."""
 
     name = None
-    if "--name" in argv:
-        i = argv.index("--name")
-        if i + 1 >= len(argv):
-            print("astratk deploy: --name needs a value", file=sys.stderr)
-            return 2
-        name, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    for flag in ("--deployment", "--name"):
+        if flag in argv:
+            i = argv.index(flag)
+            if i + 1 >= len(argv):
+                print(f"astratk deploy: {flag} needs a value", file=sys.stderr)
+                return 2
+            name, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+            break
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(_deploy.__doc__)
         return 0
@@ -205,9 +212,10 @@ def _export(argv: list[str]) -> int:
     p.add_argument("source", metavar="RUN_DIR", help="a run directory (runs/<name>-<time>); or, with --base-model, "
                    "a weight-store URL or directory; or a PolicyModule Lightning checkpoint (.ckpt)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (new or empty unless --overwrite)")
-    p.add_argument("--policy", default="main", help="the policy to export (default: main)")
+    p.add_argument("--policy_id", "--policy", dest="policy", default="main",
+                   help="the policy to export (default: main)")
     p.add_argument("--version", type=int, default=None, help="the weight version (default: the newest published)")
-    p.add_argument("--base-model", default=None, help="the HF directory the policy started from (default: the "
+    p.add_argument("--base_model", "--base-model", dest="base_model", default=None, help="the HF directory the policy started from (default: the "
                    "run's summary.json model_path, or the checkpoint's model_path)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the dtype to write (default: the base model's)")

@@ -72,7 +72,7 @@ def test_two_policy_job_across_separate_processes(tmp_path):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
         cfg = config(tmp_path, address)
-        deploy = subprocess.Popen([str(BIN / "astratk"), "deploy", "--config", str(cfg), "--name", "sv-it"], env=ENV,
+        deploy = subprocess.Popen([str(BIN / "astratk"), "deploy", "--config", str(cfg), "--deployment", "sv-it"], env=ENV,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(deploy)
         out: list[str] = []

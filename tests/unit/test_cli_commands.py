@@ -48,3 +48,16 @@ def test_trainer_flags_from_the_policy_pass_lightning_cli_validation():
     # "unset" is Lightning's own default, so a flag the command line gives is never overwritten
     assert {k: unset for k, (unset, _) in trainer_defaults(TrainerSpec()).items()} == {
         k: parser.get_defaults().trainer[k] for k in values}
+
+
+def test_one_flag_style_with_the_old_spellings_still_accepted(tmp_path, capsys):
+    """Underscored keys in every subcommand (`--policy_id`, `--base_model`, `--deployment`), the earlier spellings
+    (`--policy`, `--base-model`, `--name`) still work."""
+    assert main(["deploy", "--config", "tutorials/quickstart.yaml", "--deployment"]) == 2
+    assert "--deployment needs a value" in capsys.readouterr().err
+    for flags in (["--policy_id", "solver"], ["--policy", "solver"]):
+        assert main(["export", str(tmp_path / "no-run"), str(tmp_path / "out"), *flags]) == 2
+        assert "astratk export:" in capsys.readouterr().err  # parsed; the run directory is what is missing
+    assert main(["export", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--policy_id" in out and "--base_model" in out

@@ -87,5 +87,5 @@ def test_a_policies_flag_sets_the_last_policy_as_the_help_says():
     from astratk.config import load_spec
 
     spec = load_spec("tutorials/solver_verifier_two_policies.yaml", ["--policies.trainer.max_time_s", "300"])
-    assert [p.trainer.max_time_s for p in spec.policies][-1] == 300.0
-    assert [p.trainer.max_time_s for p in spec.policies][0] != 300.0
+    first, last = spec.policies[0], spec.policies[-1]
+    assert last.trainer.max_time_s == 300.0 and first.trainer.max_time_s != 300.0
