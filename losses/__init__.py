@@ -18,7 +18,7 @@ Adding a loss:
 4. Test golden values with the derivation beside them, the paper's properties, and `torch.autograd.gradcheck`
    (`tests/unit/test_drpo.py` is the model).
 
-Built-ins (the README's loss table gives formula, source, defaults and YAML for each): `drpo.DRPO` (the default),
+Built-ins (docs/losses.md gives formula, source, defaults and YAML for each): `drpo.DRPO` (the default),
 `dppo.DPPO` and its Binary-KL / Top-K TV / Top-K KL subclasses, `ppo_clip.PPOClip`, `pg_is.PGIS`, `cispo.CISPO`,
 `spo.SPO`, `gspo.GSPO` / `GSPOToken`, `sapo.SAPO`, `m2po.M2PO` / `M2POClip`, `decoupled_ppo.DecoupledPPO`, `gpg.GPG`,
 `gmpo.GMPO`, `cov.ClipCov` / `KLCov`. Mismatch corrections (`corrections.TIS`,
