@@ -375,11 +375,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     done: list[dict[str, Any]] = []
     if args.report and not log.exists():
         raise SystemExit(f"--report: no {log}; run the grid first")
+    key = lambda c: (c["loss"], c["regime"], c["seed"], c["env"])
     if (args.resume or args.cell or args.report) and log.exists():
-        done = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        latest = {}  # a cell run again (--cell) is appended: its last line is the one that counts
+        for line in log.read_text().splitlines():
+            if line.strip():
+                cell = json.loads(line)
+                latest[key(cell)] = cell
+        done = list(latest.values())
     elif log.exists():
         log.unlink()  # a fresh grid
-    key = lambda c: (c["loss"], c["regime"], c["seed"], c["env"])
     finished = {key(c) for c in done}
     missing = [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished]
     todo = [] if args.report else [c for c in grid(args) if (c[0], c[1], c[2], args.env) not in finished or args.cell]

@@ -18,14 +18,15 @@ Example:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from astratk.contracts import Completion, Engine, GenerationRequest, PromptTooLong, SamplingParams
-from astratk.models.chat import encode_chat, stop_token_ids
+
+# tool calls are parsed in the core (the OpenAI endpoint answers with them too); envs import them from here as before
+from astratk.models.chat import _TOOL_CALL, ToolCall, encode_chat, parse_tool_call, parse_tool_calls, stop_token_ids  # noqa: F401
 from astratk.records import Task, Trajectory
 
 # ------------------------------------------------------------------------------------------------------- budgets
@@ -51,37 +52,6 @@ class Budget:
 
 
 # ---------------------------------------------------------------------------------------------------- tool calls
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A call parsed from a generation. `error` is set (and `name` may be empty) when the call is malformed."""
-
-    name: str
-    arguments: Any = None
-    raw: str = ""
-    error: str = ""
-
-
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON
-    or a missing name gives a `ToolCall` with `error` set, so the env can answer it instead of silently ignoring it."""
-    return [parse_tool_call(m.group(1)) for m in _TOOL_CALL.finditer(text)]
-
-
-def parse_tool_call(raw: str) -> ToolCall:
-    """One call's JSON, the content of a `<tool_call>` tag (see `parse_tool_calls`)."""
-    raw = raw.strip()
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ToolCall("", None, raw, f"invalid JSON: {e.msg} at {e.pos}")
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}')
-    return ToolCall(obj["name"], obj.get("arguments", {}), raw)
 
 
 def parse_tags(text: str, names: Iterable[str]) -> list[tuple[str, str]]:

@@ -16,13 +16,15 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["encode_chat", "stop_token_ids"]
+__all__ = ["ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
 
 # Rendered prompts per tokenizer, most recent last. A group's samples start from the same messages, and rendering the
 # template plus encoding costs more than the engine's share of a short sample (measured: 15% of a rollout worker's
@@ -84,3 +86,37 @@ def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
         if isinstance(i, int) and i != tokenizer.unk_token_id and i not in ids:
             ids.append(i)
     return tuple(ids)
+
+
+# ------------------------------------------------------------------------------------------------------- tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call parsed from a generation. `error` is set (and `name` may be empty) when the call is malformed."""
+
+    name: str
+    arguments: Any = None
+    raw: str = ""
+    error: str = ""
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON
+    or a missing name gives a `ToolCall` with `error` set, so the env can answer it instead of silently ignoring it."""
+    return [parse_tool_call(m.group(1)) for m in _TOOL_CALL.finditer(text)]
+
+
+def parse_tool_call(raw: str) -> ToolCall:
+    """One call's JSON, the content of a `<tool_call>` tag (see `parse_tool_calls`)."""
+    raw = raw.strip()
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return ToolCall("", None, raw, f"invalid JSON: {e.msg} at {e.pos}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}')
+    return ToolCall(obj["name"], obj.get("arguments", {}), raw)

@@ -156,7 +156,7 @@ def parse_request(body: Any, default_max_tokens: int) -> _Parsed:
 
 def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content before the first call or None, OpenAI tool_calls) of a generation with Hermes/Qwen-style calls."""
-    from astratk.envs.multiturn import _TOOL_CALL, parse_tool_call
+    from astratk.models.chat import _TOOL_CALL, parse_tool_call
 
     calls = []
     for match in _TOOL_CALL.finditer(text):

@@ -100,6 +100,7 @@ def test_weight_lag_forces_staleness_and_updates_per_batch_runs(tmp_path):
 def test_weight_lag_is_validated(tmp_path):
     spec = small_spec(tmp_path)
     spec.rollout.weight_lag = 9  # above max_staleness 8
+    spec.weights.keep_last = 32  # so that the store's limit (checked first) is not what refuses it
     with pytest.raises(ValueError, match="staleness bound is 8"):
         spec.validate()
     spec.rollout.weight_lag, spec.dataflow.max_staleness, spec.weights.keep_last = 5, 8, 4

@@ -61,9 +61,16 @@ def test_quick_grid_then_one_cell_then_resume(tmp_path):
                                            and c["regime"] == "sync"} == {3}
     assert "1 cells to run" in proc.stdout
 
-    # --resume: nothing left to run
+    # --resume: nothing left to run; --report: the table and figures of what is there, running nothing
     proc = bench("--quick", "--resume", "--out", str(out), cwd=tmp_path)
-    assert "0 cells to run" in proc.stdout
+    assert "4 cells in" in proc.stdout and "0 of the grid not run yet" in proc.stdout  # the rerun cell counted once
+    (out / "heatmap.png").unlink()
+    proc = bench("--quick", "--report", "--out", str(out), cwd=tmp_path)
+    assert "0 of the grid not run yet" in proc.stdout and (out / "heatmap.png").stat().st_size > 0
+    assert json.loads((out / "stability.json").read_text())["complete"] is True
+    proc = bench("--report", "--out", str(out), cwd=tmp_path)  # against the full grid: partial, and says so
+    payload = json.loads((out / "stability.json").read_text())
+    assert payload["complete"] is False and len(payload["missing"]) == 132 - 4
 
 
 def test_bad_arguments_say_what_to_give(tmp_path):

@@ -339,7 +339,7 @@ def test_simulated_link_charges_latency_and_bandwidth():
 def test_weights_spec_validation_and_from_spec():
     spec = WeightsSpec(full_every=5, publish_dtype="bfloat16", link_bandwidth_bps=4e9, link_latency_s=0.3)
     store = WeightStore.from_spec("memory://ws-spec", spec)
-    assert (store.full_every, store.publish_dtype, store.keep_last) == (5, "bfloat16", 32)
+    assert (store.full_every, store.publish_dtype, store.keep_last) == (5, "bfloat16", 8)
     assert isinstance(store.fs, SimulatedLink) and store.fs.latency_s == 0.3
     for bad, match in [({"full_every": 0}, "weights.full_every"), ({"publish_dtype": "int8"}, "publish_dtype"),
                        ({"link_bandwidth_bps": 0}, "link_bandwidth_bps"), ({"link_latency_s": -1}, "latency")]:
