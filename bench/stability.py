@@ -378,10 +378,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     key = lambda c: (c["loss"], c["regime"], c["seed"], c["env"])
     if (args.resume or args.cell or args.report) and log.exists():
         latest = {}  # a cell run again (--cell) is appended: its last line is the one that counts
-        for line in log.read_text().splitlines():
-            if line.strip():
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        for i, line in enumerate(lines):
+            try:
                 cell = json.loads(line)
-                latest[key(cell)] = cell
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:  # a grid killed while writing its last cell: that cell runs again
+                    print(f"{log}: the last line is incomplete (the grid was stopped while writing it); its cell "
+                          "runs again")
+                    if not args.report:  # new cells are appended after whole lines only
+                        log.write_text("".join(x + "\n" for x in lines[:-1]))
+                    continue
+                raise SystemExit(f"{log}, line {i + 1}: not a cell record; fix or remove the line") from None
+            latest[key(cell)] = cell
         done = list(latest.values())
     elif log.exists():
         log.unlink()  # a fresh grid
