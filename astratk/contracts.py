@@ -176,7 +176,8 @@ class Env(abc.ABC):
         raise NotImplementedError(f"env {self.name!r} has no demonstrations; give model.path instead of a warm start")
 
     def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
-        """(opening messages, reference completion) pairs for supervised warm starts; one per role for workflows."""
+        """(opening messages, reference completion) pairs for supervised warm starts; one per role for workflows, one
+        per assistant turn for agents. A third item, OpenAI-style tool definitions, is passed to the chat template."""
         return [(self.messages(task), self.demonstration(task))]
 
     def messages(self, task: Task) -> list[dict[str, str]]:

@@ -56,6 +56,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "db": "astratk.envs.agentbench.db.DatabaseEnv",
         "mixture": "astratk.envs.mixture.MixtureEnv",
         "function": "astratk.envs.function.FunctionEnv",
+        "agent": "astratk.envs.agent.AgentEnv",
     },
     "correction": {
         "tis": "astratk.losses.corrections.TIS",

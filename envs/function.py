@@ -33,90 +33,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import inspect
-import itertools
-import json
 import math
 import numbers
-import os
-import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from astratk.contracts import Engine, Env, SamplingParams
+from astratk.contracts import Engine, SamplingParams
 from astratk.envs.chat import single_turn
+from astratk.envs.dataset import FILE_FORMATS, DatasetEnv, load_rows  # noqa: F401 - load_rows, FILE_FORMATS: re-exported
 from astratk.records import Task, Trajectory
 
 RewardFunc = Callable[..., Sequence[float | None]]
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def load_rows(data: Any, what: str = "dataset") -> list[dict[str, Any]]:
-    """Rows of a `datasets.Dataset`, a list of dicts or a path (module docstring), as a list of dicts."""
-    if isinstance(data, (str, os.PathLike)):
-        data = _load_path(os.fspath(data), what)
-    if hasattr(data, "to_list") and hasattr(data, "column_names"):  # a datasets.Dataset
-        rows = data.to_list()
-    elif isinstance(data, Mapping):
-        raise TypeError(f"{what}: got a mapping with keys {sorted(data)[:8]}; give a Dataset, a list of dicts or a "
-                        "path (for a DatasetDict, FunctionEnv takes its 'train' and 'test' splits itself)")
-    else:
-        try:
-            rows = list(data)
-        except TypeError:
-            raise TypeError(f"{what}: expected a datasets.Dataset, a list of dicts or a path, got "
-                            f"{type(data).__name__}") from None
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise TypeError(f"{what} row {i}: expected a dict with a 'prompt', got {type(row).__name__}")
-    return [dict(r) for r in rows]
-
-
-def _load_path(path: str, what: str) -> Any:
-    try:
-        import datasets
-    except ImportError:
-        datasets = None
-    ext = os.path.splitext(path)[1].lower()
-    if os.path.isdir(path):
-        if datasets is None:
-            raise ImportError(f"{what}: reading the saved dataset folder {path} needs the datasets library: "
-                              "pip install datasets")
-        return datasets.load_from_disk(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what}: no file or folder {path!r} (give a .jsonl/.json/.csv/.parquet file, a "
-                                "folder from Dataset.save_to_disk, a Dataset or a list of dicts)")
-    if ext == ".jsonl" and datasets is None:  # the one format readable without the datasets library
-        from astratk.envs.jsonl import records
-        return [row for _, row in records(path)]
-    if ext not in FILE_FORMATS:
-        raise ValueError(f"{what}: cannot read {path!r}: the file type {ext or '(none)'} is not one of "
-                         f"{sorted(FILE_FORMATS)}")
-    if datasets is None:
-        raise ImportError(f"{what}: reading {path} needs the datasets library: pip install datasets")
-    return datasets.load_dataset(FILE_FORMATS[ext], data_files=path, split="train")
-
-
-def _splits(dataset: Any) -> tuple[Any, Any | None]:
-    """(train, test) of a DatasetDict-like mapping of splits; (dataset, None) otherwise."""
-    if isinstance(dataset, Mapping) and "train" in dataset and all(hasattr(v, "column_names")
-                                                                   for v in dataset.values()):
-        return dataset["train"], dataset.get("test")
-    return dataset, None
-
-
-def _check_prompt(prompt: Any, where: str) -> None:
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise ValueError(f"{where}: 'prompt' is empty")
-        return
-    if isinstance(prompt, Sequence) and prompt and all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt):
-        return
-    raise ValueError(f"{where}: 'prompt' must be a non-empty string or a list of chat messages "
-                     f"{{'role': ..., 'content': ...}}, got {type(prompt).__name__}: {str(prompt)[:80]!r}")
 
 
 def _import(path: str) -> RewardFunc:
@@ -132,15 +60,11 @@ def _qualified(f: Any) -> str:
     return f"{getattr(f, '__module__', None) or type(f).__module__}.{getattr(f, '__qualname__', type(f).__qualname__)}"
 
 
-def _fingerprint(rows: list[dict[str, Any]]) -> str:
-    return hashlib.sha1(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _func_name(f: Any, i: int) -> str:
     return getattr(f, "__name__", None) or type(f).__name__ or f"reward_{i}"
 
 
-class FunctionEnv(Env):
+class FunctionEnv(DatasetEnv):
     """Single-turn prompts from a dataset, scored by TRL-style reward functions (module docstring).
 
     Args:
@@ -165,10 +89,6 @@ class FunctionEnv(Env):
                  reward_weights: Sequence[float] | None = None, eval_dataset: Any = None, heldout: float = 0.1,
                  system_prompt: str | None = None, demonstration_column: str | None = None, seed: int = 0,
                  name: str = "function") -> None:
-        self.name = name
-        self.system_prompt = system_prompt
-        self.demonstration_column = demonstration_column
-        self.seed = seed
         funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
         if not funcs:
             raise ValueError("reward_funcs: give at least one reward function")
@@ -179,101 +99,12 @@ class FunctionEnv(Env):
         self.reward_names = [_func_name(f, i) for i, f in enumerate(self._funcs)]
         # the saved config's view (config.yaml, the model cache key): names and descriptions, not objects
         self.reward_funcs = [f if isinstance(f, str) else _qualified(g) for f, g in zip(funcs, self._funcs)]
-        self.heldout = heldout
         weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
         if len(weights) != len(funcs) or not all(math.isfinite(w) for w in weights):
             raise ValueError(f"reward_weights: give {len(funcs)} finite numbers (one per reward function), got "
                              f"{reward_weights!r}")
         self.reward_weights = weights
-
-        self.dataset = os.fspath(dataset) if isinstance(dataset, (str, os.PathLike)) else None
-        self.eval_dataset = os.fspath(eval_dataset) if isinstance(eval_dataset, (str, os.PathLike)) else None
-        if isinstance(dataset, (str, os.PathLike)):
-            dataset = _load_path(os.fspath(dataset), "dataset")
-        train_data, test_data = _splits(dataset)
-        rows = load_rows(train_data, "dataset")
-        if not rows:
-            raise ValueError("dataset: no rows")
-        held_rows = load_rows(eval_dataset if eval_dataset is not None else test_data, "eval_dataset") if (
-            eval_dataset is not None or test_data is not None) else None
-        for split_name, part in (("dataset", rows), ("eval_dataset", held_rows or [])):
-            for i, row in enumerate(part):
-                if "prompt" not in row:
-                    raise ValueError(f"{split_name} row {i}: no 'prompt' column (columns: {sorted(row)})")
-                _check_prompt(row["prompt"], f"{split_name} row {i}")
-                if demonstration_column is not None and not isinstance(row.get(demonstration_column), str):
-                    raise ValueError(f"{split_name} row {i}: demonstration_column {demonstration_column!r} must hold "
-                                     f"a string, got {type(row.get(demonstration_column)).__name__}")
-        n_rows = len(rows)
-        if held_rows is None:
-            order = list(range(len(rows)))
-            random.Random(f"{seed}/heldout").shuffle(order)
-            n = self._heldout_count(heldout, len(rows))
-            picked = set(order[:n])
-            held_rows = [rows[i] for i in sorted(picked)]
-            rows = [r for i, r in enumerate(rows) if i not in picked]
-        if not held_rows:
-            raise ValueError("eval_dataset: no rows")
-        self._heldout = [self._task(r, "heldout", i) for i, r in enumerate(held_rows)]
-        keys = {t.prompt for t in self._heldout}
-        train = [self._task(r, "train", i) for i, r in enumerate(rows)]
-        self._train = [t for t in train if t.prompt not in keys]
-        self.stats = {"rows": n_rows, "train": len(self._train), "heldout": len(self._heldout),
-                      "train_overlap_removed": len(train) - len(self._train)}
-        if not self._train:
-            raise ValueError("every train prompt is also a held-out prompt: no train tasks remain")
-        if self.dataset is None:  # in memory: described by its content, so the warm-start cache tells datasets apart
-            self.dataset = f"in-memory dataset: {n_rows} rows, sha1 {_fingerprint(rows + held_rows)}"
-        if self.eval_dataset is None and eval_dataset is not None:
-            self.eval_dataset = f"in-memory dataset: {len(held_rows)} rows"
-
-    @staticmethod
-    def _heldout_count(heldout: float, n: int) -> int:
-        if isinstance(heldout, bool) or not isinstance(heldout, numbers.Real) or not heldout > 0:
-            raise ValueError(f"heldout: give a fraction in (0, 1) or a count >= 1, got {heldout!r}")
-        count = max(1, round(heldout * n)) if heldout < 1 else int(heldout)
-        if count != heldout and heldout >= 1:
-            raise ValueError(f"heldout: a count must be a whole number, got {heldout!r}")
-        if count >= n:
-            raise ValueError(f"heldout: {count} held-out rows would leave none of the {n} rows to train on; give "
-                             "a smaller share or an eval_dataset")
-        return count
-
-    def _task(self, row: dict[str, Any], split: str, index: int) -> Task:
-        prompt = row["prompt"]
-        text = prompt if isinstance(prompt, str) else json.dumps(list(prompt), sort_keys=True)
-        columns = {k: v for k, v in row.items() if k != "prompt"}
-        return Task(task_id=f"{self.name}/{split}/{index}", env=self.name, prompt=text,
-                    info={"chat": not isinstance(prompt, str), "messages": None if isinstance(prompt, str) else
-                          [dict(m) for m in prompt], "columns": columns},
-                    split=split)  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------------------------------------ tasks
-    def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
-
-    def _train_stream(self) -> Iterator[Task]:
-        for epoch in itertools.count():
-            order = list(self._train)
-            random.Random(f"{self.seed}/epoch{epoch}").shuffle(order)
-            yield from order
-
-    def messages(self, task: Task) -> list[dict[str, str]]:
-        if task.info["chat"]:
-            return [dict(m) for m in task.info["messages"]]
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": "user", "content": task.prompt}]
-
-    def demonstration(self, task: Task) -> str:
-        if self.demonstration_column is None:
-            raise NotImplementedError(f"env {self.name!r} has no demonstrations: give FunctionEnv("
-                                      "demonstration_column=...) naming a column with reference completions, or "
-                                      "model.path instead of a tiny warm-started model")
-        return task.info["columns"][self.demonstration_column]
+        self._init_dataset(dataset, eval_dataset, heldout, system_prompt, demonstration_column, seed, name)
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:

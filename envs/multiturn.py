@@ -26,7 +26,15 @@ from typing import Any
 from astratk.contracts import Completion, Engine, GenerationRequest, PromptTooLong, SamplingParams
 
 # tool calls are parsed in the core (the OpenAI endpoint answers with them too); envs import them from here as before
-from astratk.models.chat import _TOOL_CALL, ToolCall, encode_chat, parse_tool_call, parse_tool_calls, stop_token_ids  # noqa: F401
+from astratk.models.chat import (  # noqa: F401
+    _TOOL_CALL,
+    ChatTurns,
+    ToolCall,
+    encode_chat,
+    parse_tool_call,
+    parse_tool_calls,
+    stop_token_ids,
+)
 from astratk.records import Task, Trajectory
 
 # ------------------------------------------------------------------------------------------------------- budgets
@@ -60,83 +68,6 @@ def parse_tags(text: str, names: Iterable[str]) -> list[tuple[str, str]]:
     alternatives = "|".join(re.escape(n) for n in names)
     pattern = re.compile(rf"<({alternatives})>(.*?)</\1>", re.DOTALL)
     return [(m.group(1), m.group(2).strip()) for m in pattern.finditer(text)]
-
-
-# ------------------------------------------------------------------------------------------------ chat rendering
-
-
-class ChatTurns:
-    """Token ids that follow an assistant turn for a new message, derived from the tokenizer's chat template.
-
-    For a template that renders `... <assistant content><close>` and then `<open role>content<close>` and the
-    generation prompt, `close` is what follows the content (e.g. "<|im_end|>\\n") and `continuation(role, content)`
-    is the rest: the part of `close` the model did not produce, the new message, and the next generation prompt.
-    """
-
-    _PROBE = "\x07astratk-probe\x07"
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
-        rendered = tokenizer.apply_chat_template(base, tokenize=False)
-        at = rendered.rfind(self._PROBE)
-        if at < 0:
-            raise ValueError("the chat template drops assistant content; multi-turn envs need one that keeps it")
-        self._base, self.close = rendered, rendered[at + len(self._PROBE):]
-        self._cache: dict[str, tuple[str, str]] = {}
-        self._frames: dict[tuple[str, str, str], list[int]] = {}
-
-    def _frame(self, role: str) -> tuple[str, str]:
-        """(text before the message content, text after it up to and including the generation prompt)."""
-        if role not in self._cache:
-            probe = self._PROBE + "m"
-            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE},
-                    {"role": role, "content": probe}]
-            full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            if not full.startswith(self._base) or full.count(probe) != 1:
-                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn as "
-                                 "a plain continuation; multi-turn envs need a template with fixed turn separators")
-            rest = full[len(self._base):]
-            i = rest.index(probe)
-            self._cache[role] = (rest[:i], rest[i + len(probe):])
-        return self._cache[role]
-
-    def frame_tokens(self, role: str, produced_close: str, encode: Any) -> list[int]:
-        """Token ids of an empty message's continuation (cached): the overhead a message adds around its content."""
-        key = ("frame", role, produced_close)
-        if key not in self._frames:
-            self._frames[key] = encode(self.continuation(role, "", produced_close))
-        return self._frames[key]
-
-    def continuation(self, role: str, content: str, produced_close: str) -> str:
-        """Text to append after an assistant completion whose text ended with `produced_close` (the part of
-        `close` the model emitted, e.g. its stop token "<|im_end|>"; "" if it was cut off)."""
-        if not self.close.startswith(produced_close):
-            produced_close = ""
-        before, after = self._frame(role)
-        return self.close[len(produced_close):] + before + content + after
-
-    def continuation_of(self, messages: Sequence[Mapping[str, str]], produced_close: str) -> str:
-        """`continuation` for several messages in a row, rendered together by the template (which may merge them)."""
-        if len(messages) == 1:
-            return self.continuation(messages[0]["role"], messages[0]["content"], produced_close)
-        for m in messages:
-            self._frame(m["role"])  # each role must render as a plain continuation (raises the clear error)
-        head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
-        try:
-            full = self.tokenizer.apply_chat_template(head + [dict(m) for m in messages], tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as e:  # e.g. templates that insist on alternating roles raise jinja2's TemplateError
-            roles = [m["role"] for m in messages]
-            raise ValueError(f"the chat template cannot render the messages {roles} in a row after an assistant turn "
-                             f"({type(e).__name__}: {e}); send the env's output as one message per turn, or use a "
-                             "template that accepts consecutive messages") from e
-        if not full.startswith(self._base):
-            raise ValueError("the chat template does not render several messages after an assistant turn as a plain "
-                             "continuation; multi-turn envs need a template with fixed turn separators")
-        if not self.close.startswith(produced_close):
-            produced_close = ""
-        return self.close[len(produced_close):] + full[len(self._base):]
 
 
 # -------------------------------------------------------------------------------------------------- conversation

@@ -20,11 +20,11 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
+__all__ = ["ChatTurns", "ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
 
 # Rendered prompts per tokenizer, most recent last. A group's samples start from the same messages, and rendering the
 # template plus encoding costs more than the engine's share of a short sample (measured: 15% of a rollout worker's
@@ -34,11 +34,14 @@ _cache: weakref.WeakKeyDictionary[Any, OrderedDict[Any, tuple[int, ...]]] = weak
 _lock = threading.Lock()
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Render `messages` with the tokenizer's chat template (generation prompt added) and encode without adding
-    special tokens again (the template already holds them). Repeated conversations come from a per-tokenizer cache
-    (the key is the template and the messages; messages that are not JSON are encoded every time)."""
-    key = _key(tokenizer, messages)
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+                ) -> list[int]:
+    """Render `messages` with the tokenizer's chat template (generation prompt added; `tools`, OpenAI-style function
+    definitions, passed to the template) and encode without adding special tokens again (the template already holds
+    them). Repeated conversations come from a per-tokenizer cache (the key is the template, the messages and the
+    tools; what is not JSON is encoded every time)."""
+    key = _key(tokenizer, messages) if not tools else _key(tokenizer, [*messages, {"tools": json.dumps(
+        tools, sort_keys=True, default=repr)}])
     if key is not None:
         with _lock:
             per_tok = _cache.get(tokenizer)
@@ -46,7 +49,8 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]
             if ids is not None:
                 per_tok.move_to_end(key)
                 return list(ids)
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    extra = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra)
     ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
     if key is not None:
         with _lock:
@@ -120,3 +124,80 @@ def parse_tool_call(raw: str) -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall("", None, raw, 'a tool call needs {"name": "...", "arguments": {...}}')
     return ToolCall(obj["name"], obj.get("arguments", {}), raw)
+
+
+# ------------------------------------------------------------------------------------------------ turn rendering
+
+
+class ChatTurns:
+    """Token ids that follow an assistant turn for a new message, derived from the tokenizer's chat template.
+
+    For a template that renders `... <assistant content><close>` and then `<open role>content<close>` and the
+    generation prompt, `close` is what follows the content (e.g. "<|im_end|>\\n") and `continuation(role, content)`
+    is the rest: the part of `close` the model did not produce, the new message, and the next generation prompt.
+    """
+
+    _PROBE = "\x07astratk-probe\x07"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
+        rendered = tokenizer.apply_chat_template(base, tokenize=False)
+        at = rendered.rfind(self._PROBE)
+        if at < 0:
+            raise ValueError("the chat template drops assistant content; multi-turn envs need one that keeps it")
+        self._base, self.close = rendered, rendered[at + len(self._PROBE):]
+        self._cache: dict[str, tuple[str, str]] = {}
+        self._frames: dict[tuple[str, str, str], list[int]] = {}
+
+    def _frame(self, role: str) -> tuple[str, str]:
+        """(text before the message content, text after it up to and including the generation prompt)."""
+        if role not in self._cache:
+            probe = self._PROBE + "m"
+            msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE},
+                    {"role": role, "content": probe}]
+            full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            if not full.startswith(self._base) or full.count(probe) != 1:
+                raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn as "
+                                 "a plain continuation; multi-turn envs need a template with fixed turn separators")
+            rest = full[len(self._base):]
+            i = rest.index(probe)
+            self._cache[role] = (rest[:i], rest[i + len(probe):])
+        return self._cache[role]
+
+    def frame_tokens(self, role: str, produced_close: str, encode: Any) -> list[int]:
+        """Token ids of an empty message's continuation (cached): the overhead a message adds around its content."""
+        key = ("frame", role, produced_close)
+        if key not in self._frames:
+            self._frames[key] = encode(self.continuation(role, "", produced_close))
+        return self._frames[key]
+
+    def continuation(self, role: str, content: str, produced_close: str) -> str:
+        """Text to append after an assistant completion whose text ended with `produced_close` (the part of
+        `close` the model emitted, e.g. its stop token "<|im_end|>"; "" if it was cut off)."""
+        if not self.close.startswith(produced_close):
+            produced_close = ""
+        before, after = self._frame(role)
+        return self.close[len(produced_close):] + before + content + after
+
+    def continuation_of(self, messages: Sequence[Mapping[str, str]], produced_close: str) -> str:
+        """`continuation` for several messages in a row, rendered together by the template (which may merge them)."""
+        if len(messages) == 1:
+            return self.continuation(messages[0]["role"], messages[0]["content"], produced_close)
+        for m in messages:
+            self._frame(m["role"])  # each role must render as a plain continuation (raises the clear error)
+        head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
+        try:
+            full = self.tokenizer.apply_chat_template(head + [dict(m) for m in messages], tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # e.g. templates that insist on alternating roles raise jinja2's TemplateError
+            roles = [m["role"] for m in messages]
+            raise ValueError(f"the chat template cannot render the messages {roles} in a row after an assistant turn "
+                             f"({type(e).__name__}: {e}); send the env's output as one message per turn, or use a "
+                             "template that accepts consecutive messages") from e
+        if not full.startswith(self._base):
+            raise ValueError("the chat template does not render several messages after an assistant turn as a plain "
+                             "continuation; multi-turn envs need a template with fixed turn separators")
+        if not self.close.startswith(produced_close):
+            produced_close = ""
+        return self.close[len(produced_close):] + full[len(self._base):]

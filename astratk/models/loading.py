@@ -150,8 +150,10 @@ def _normalised(text: str, specials: list[str]) -> str:
 def _auto(path: str) -> Any:
     from transformers import AutoTokenizer
 
+    from astratk.models.tokenizer import upgrade_chat_template
+
     with _LOAD_LOCK:
-        return AutoTokenizer.from_pretrained(path)
+        return upgrade_chat_template(AutoTokenizer.from_pretrained(path))
 
 
 def _as_saved(path: str) -> Any:
@@ -160,5 +162,7 @@ def _as_saved(path: str) -> Any:
         return None
     from transformers import PreTrainedTokenizerFast
 
+    from astratk.models.tokenizer import upgrade_chat_template
+
     with _LOAD_LOCK:
-        return PreTrainedTokenizerFast.from_pretrained(path)
+        return upgrade_chat_template(PreTrainedTokenizerFast.from_pretrained(path))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -40,12 +41,46 @@ SPECIALS = (EOS, IM_START, IM_END, UNK)  # ids 0..3; byte b has id 4 + b
 QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
-# Qwen-style ChatML, without Qwen's default system prompt (the tiny model never saw one).
-CHAT_TEMPLATE = (
+# Qwen-style ChatML, without Qwen's default system prompt (the tiny model never saw one). The first version, kept to
+# recognise tokenizers saved with it (`upgrade_chat_template`), rendered plain messages exactly as the current one.
+CHAT_TEMPLATE_V1 = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# With tools (OpenAI-style function definitions) the template opens with a compact system turn, short enough for a
+# character-level model: "tools: name(arg, ...) ..." after the system message's own content. An assistant message's
+# `tool_calls` follow its content as Hermes/Qwen-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (the
+# format `astratk.models.chat.parse_tool_calls` reads); a tool result is a `tool` turn. Plain messages render exactly
+# as in the first version.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(start=0) -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ messages[0]['content'] + '\n' }}{%- set ns.start = 1 -%}"
+    "{%- endif -%}"
+    "{{ 'tools:' }}"
+    "{%- for tool in tools -%}"
+    "{%- set f = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set props = (f['parameters'] or {}).get('properties', {}) if f['parameters'] is defined else {} -%}"
+    "{{ ' ' + f['name'] + '(' + (props.keys() | list | join(',')) + ')' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.start:] -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set f = call['function'] if call['function'] is defined else call -%}"
+    "{%- set args = f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) -%}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
 
@@ -75,6 +110,14 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     assert [tok.convert_tokens_to_ids(t) for t in SPECIALS] == [0, 1, 2, 3] and len(tok) == 260
+    return tok
+
+
+def upgrade_chat_template(tok: Any) -> Any:
+    """Give a tokenizer saved with the tiny model's first template the current one (same rendering of plain messages,
+    plus tools and tool calls); any other template is left alone. Returns `tok`."""
+    if getattr(tok, "chat_template", None) == CHAT_TEMPLATE_V1:
+        tok.chat_template = CHAT_TEMPLATE
     return tok
 
 

@@ -73,8 +73,11 @@ def _examples(tok, env: Env, task: Task) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) per demonstration of `task` (`env.demonstrations`: one per role of a workflow);
     each completion is the demonstration then <|im_end|>."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    return [(encode_chat(tok, messages), tok(text, add_special_tokens=False)["input_ids"] + [end])
-            for messages, text in env.demonstrations(task)]
+    out = []
+    for demo in env.demonstrations(task):  # (messages, text) or (messages, text, tools): an agent's tool definitions
+        messages, text, tools = (*demo, None)[:3]
+        out.append((encode_chat(tok, messages, tools=tools), tok(text, add_special_tokens=False)["input_ids"] + [end]))
+    return out
 
 
 def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:

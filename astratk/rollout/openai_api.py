@@ -73,6 +73,41 @@ class CapturedCall:
     completions: tuple[Completion, ...]
     started: float
     latency_s: float
+    # the call whose prompt + completion this prompt extends token for token (its earlier assistant turn reused as
+    # sampled), or None when the whole prompt was rendered by the chat template
+    extends: str | None = None
+    # the choice of `extends` that was continued
+    extends_choice: int = 0
+
+
+@dataclass
+class _Turn:
+    """A choice this endpoint answered: what a later request must repeat before it for its tokens to be reused."""
+
+    call_id: str
+    choice: int
+    history: list[dict[str, Any]]  # the normalised messages it answered
+    tools: str  # the tools it was given, as canonical JSON
+    prompt: tuple[int, ...]
+    completion: Completion
+
+
+@dataclass
+class Session:
+    """One episode's view of the endpoint: its engine (None: the endpoint's), the event loop that engine runs on (None:
+    the server's), sampling the run imposes (a temperature, a seed per call, a cap on new tokens, a context), its
+    calls, and the turns a later call may reuse."""
+
+    engine: Any = None
+    loop: asyncio.AbstractEventLoop | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    max_context: int | None = None
+    top_k_logprobs: int = 0
+    calls: list[CapturedCall] = field(default_factory=list)
+    turns: dict[Any, _Turn] = field(default_factory=dict)
+    overridden: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 @dataclass
@@ -172,11 +207,94 @@ def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (head or None), calls
 
 
+def _choice(tok: Any, index: int, c: Completion, parsed: _Parsed) -> dict[str, Any]:
+    """One sample as an OpenAI choice: the text (tool calls parsed when the request had tools), log-probs if asked."""
+    text = tok.decode(list(c.token_ids), skip_special_tokens=True)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish = c.finish_reason
+    if parsed.parse_tools:
+        content, calls = _tool_calls(text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = "tool_calls"
+    out: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+    if parsed.logprobs:
+        entries = []
+        for j, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            piece = tok.decode([tid])
+            entry: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+            if parsed.top_logprobs and c.topk_ids:
+                entry["top_logprobs"] = [
+                    {"token": tok.decode([i]), "logprob": p, "bytes": list(tok.decode([i]).encode())}
+                    for i, p in zip(c.topk_ids[j][:parsed.top_logprobs], c.topk_logprobs[j][:parsed.top_logprobs])]
+            else:
+                entry["top_logprobs"] = []
+            entries.append(entry)
+        out["logprobs"] = {"content": entries}
+    return out
+
+
+def _normalise(m: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a message that change what the model sees (the `openai` client adds `refusal`, `audio`... as None)."""
+    out: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+    calls = m.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [(c.get("id"), (c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                             for c in calls if isinstance(c, dict)]
+    for key in ("tool_call_id", "name"):
+        if m.get(key):
+            out[key] = m[key]
+    return out
+
+
+def _turn_key(m: dict[str, Any]) -> Any:
+    """How a returned assistant message is recognised when an agent sends it back: its tool-call ids (unique per
+    answer), else its text."""
+    calls = m.get("tool_calls")
+    if calls:
+        return ("calls", tuple(c.get("id") for c in calls if isinstance(c, dict)))
+    return ("text", m.get("content") or "")
+
+
+def _for_template(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: tool-call arguments as objects (OpenAI sends JSON strings; Qwen's
+    template, for one, would encode them again)."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return m
+    fixed = []
+    for c in calls:
+        f = dict((c or {}).get("function") or {})
+        if isinstance(f.get("arguments"), str):
+            try:
+                f["arguments"] = json.loads(f["arguments"])
+            except json.JSONDecodeError:
+                pass  # left as sent: the template shows what the agent wrote
+        fixed.append({**c, "function": f})
+    return {**m, "tool_calls": fixed}
+
+
+def _produced_close(tok: Any, c: Completion) -> str:
+    """The end-of-turn token a completion ended with ("" when it was cut off or stopped by a stop string)."""
+    if c.finish_reason != "stop" or not c.token_ids:
+        return ""
+    return tok.convert_ids_to_tokens(c.token_ids[-1]) or ""
+
+
 class OpenAIEndpoint:
     """`/v1/models` and `/v1/chat/completions` over `engine` (module docstring). `start()` serves on a thread of its
-    own; `close()` stops it."""
+    own; `close()` stops it.
 
-    def __init__(self, engine: Any, model: str = "astratk", *, host: str = "127.0.0.1", port: int = 0,
+    Sessions: `open_session(id, engine, loop=...)` gives an episode its own engine (e.g. the rollout service's, which
+    runs on that episode's event loop: calls are handed to `loop`), its sampling rules and its record of calls;
+    `close_session(id)` returns the calls and refuses any later request of that session. Without `engine` here, only
+    opened sessions are served. A session's prompts reuse its earlier turns token for token: when a request repeats
+    an assistant message this endpoint returned (found by its tool-call ids, or its text), with the same messages
+    before it and the same tools, the prompt is that call's prompt + the completion as sampled + the template's
+    rendering of the messages after it, so the agent's re-serialised history never re-tokenises what was sampled.
+    """
+
+    def __init__(self, engine: Any = None, model: str = "astratk", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_model_len: int | None = None, default_max_tokens: int = 256,
                  keep_calls: int = 100_000) -> None:
         self.engine = engine
@@ -186,12 +304,15 @@ class OpenAIEndpoint:
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.keep_calls = keep_calls
-        self._calls: dict[str, list[CapturedCall]] = defaultdict(list)
+        self._sessions: dict[str, Session] = {}
+        self._closed: set[str] = set()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: Any = None
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "errors": 0, "completion_tokens": 0, "prompt_tokens": 0}
+        self._turns_api: dict[int, tuple[Any, Any]] = {}
+        self.stats = {"requests": 0, "errors": 0, "completion_tokens": 0, "prompt_tokens": 0, "reused_turns": 0,
+                      "rendered_prompts": 0}
 
     # --------------------------------------------------------------------------------------------- addresses
     @property
@@ -208,22 +329,71 @@ class OpenAIEndpoint:
             raise ValueError(f"a session id must be non-empty and contain no '/', got {session!r}")
         return f"{self.root}/s/{session}/v1"
 
-    # --------------------------------------------------------------------------------------------- captured calls
+    # --------------------------------------------------------------------------------------------- sessions
+    def open_session(self, session: str, engine: Any = None, *, loop: asyncio.AbstractEventLoop | None = None,
+                     temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
+                     max_context: int | None = None, top_k_logprobs: int = 0) -> str:
+        """Serve `session` with `engine` (default: the endpoint's) on `loop`; returns its base URL. `temperature`
+        overrides what requests ask for (counted in `session_stats`), `seed` seeds the k-th call with seed + 7919·k
+        when a request sends none, `max_tokens` caps each call's new tokens, `max_context` its prompt + completion;
+        `top_k_logprobs` are recorded for every token whatever a request asks (a loss that needs them)."""
+        url = self.session_url(session)
+        if engine is None and self.engine is None:
+            raise ValueError(f"session {session!r}: give an engine (this endpoint has none of its own)")
+        with self._lock:
+            if session in self._sessions:
+                raise ValueError(f"session {session!r} is already open")
+            self._closed.discard(session)
+            self._sessions[session] = Session(engine, loop, temperature, seed, max_tokens, max_context,
+                                              top_k_logprobs)
+        return url
+
+    def close_session(self, session: str) -> list[CapturedCall]:
+        """Stop serving `session` (its later requests get 404) and return its calls."""
+        with self._lock:
+            sess = self._sessions.pop(session, None)
+            self._closed.add(session)
+            if len(self._closed) > self.keep_calls:
+                self._closed.clear()  # bounded memory; a request of a long-closed session then opens a new one
+        return list(sess.calls) if sess is not None else []
+
+    def session_stats(self, session: str) -> dict[str, int]:
+        """Requests whose asked-for sampling the session overrode, by field."""
+        with self._lock:
+            sess = self._sessions.get(session)
+            return dict(sess.overridden) if sess is not None else {}
+
     def calls(self, session: str = DEFAULT_SESSION) -> list[CapturedCall]:
         with self._lock:
-            return list(self._calls.get(session, []))
+            sess = self._sessions.get(session)
+            return list(sess.calls) if sess is not None else []
 
     def pop_session(self, session: str) -> list[CapturedCall]:
-        """The session's calls, forgotten here (an episode's trajectory is built once)."""
+        """The session's calls, forgotten here; the session stays servable (`close_session` also ends it)."""
         with self._lock:
-            return self._calls.pop(session, [])
+            sess = self._sessions.pop(session, None)
+            return list(sess.calls) if sess is not None else []
 
-    def _record(self, call: CapturedCall) -> None:
+    def _session(self, session: str) -> Session:
         with self._lock:
-            self._calls[call.session].append(call)
-            if sum(len(v) for v in self._calls.values()) > self.keep_calls:
-                oldest = min(self._calls, key=lambda s: self._calls[s][0].started if self._calls[s] else math.inf)
-                self._calls[oldest].pop(0)
+            sess = self._sessions.get(session)
+            if sess is not None:
+                return sess
+            if session in self._closed:
+                raise RequestError(404, f"session {session!r} has ended (its episode is over)", code="session_closed")
+            if self.engine is None:
+                raise RequestError(404, f"no session {session!r}: this endpoint serves opened sessions only",
+                                   code="session_not_found")
+            sess = self._sessions[session] = Session()
+            return sess
+
+    def _record(self, sess: Session, call: CapturedCall) -> None:
+        with self._lock:
+            sess.calls.append(call)
+            total = sum(len(v.calls) for v in self._sessions.values())
+            if total > self.keep_calls:  # bounded memory for a long-lived endpoint: the oldest call goes
+                oldest = min((v for v in self._sessions.values() if v.calls), key=lambda v: v.calls[0].started)
+                oldest.calls.pop(0)
 
     # --------------------------------------------------------------------------------------------- serving
     def start(self, timeout_s: float = 30.0) -> OpenAIEndpoint:
@@ -251,6 +421,10 @@ class OpenAIEndpoint:
         if failure:
             raise RuntimeError(f"the OpenAI endpoint could not start on {self.host}:{self.port}: {failure[0]}")
         return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     async def _start_site(self) -> None:
         from aiohttp import web
@@ -310,37 +484,95 @@ class OpenAIEndpoint:
                 raise RequestError(404, f"the model {body.get('model')!r} does not exist; this endpoint serves "
                                    f"{self.model!r}", param="model", code="model_not_found")
             parsed = parse_request(body, self.default_max_tokens)
-            return web.json_response(await self._complete(parsed, session))
+            sess = self._session(session)
+            return web.json_response(await self._complete(parsed, session, sess))
         except RequestError as e:
             return self._error(e)
         except Exception as e:  # noqa: BLE001 - the server answers, whatever went wrong inside
             return self._error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error"))
 
-    async def _complete(self, parsed: _Parsed, session: str) -> dict[str, Any]:
-        tok = self.engine.tokenizer
+    # --------------------------------------------------------------------------------------------- prompts
+    def _chat_turns(self, tok: Any) -> Any:
+        from astratk.models.chat import ChatTurns
+
+        entry = self._turns_api.get(id(tok))
+        if entry is None or entry[0] is not tok:
+            entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok))
+        return entry[1]
+
+    def _render(self, tok: Any, parsed: _Parsed) -> tuple[int, ...]:
         try:
-            text = tok.apply_chat_template(parsed.messages, tools=parsed.tools, add_generation_prompt=True,
-                                           tokenize=False)
+            text = tok.apply_chat_template([_for_template(m) for m in parsed.messages], tools=parsed.tools,
+                                           add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
             raise RequestError(400, f"the model's chat template cannot render these messages: {e}",
                                param="messages") from None
-        prompt = tuple(tok(text, add_special_tokens=False)["input_ids"])
+        return tuple(tok(text, add_special_tokens=False)["input_ids"])
+
+    def _prompt(self, sess: Session, tok: Any, parsed: _Parsed, tools: str) -> tuple[tuple[int, ...], _Turn | None]:
+        """The prompt's ids and the earlier turn it extends (class docstring), or the template's rendering and None."""
+        msgs = parsed.messages
+        last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+        turn = sess.turns.get(_turn_key(msgs[last])) if last is not None else None
+        rest = msgs[last + 1:] if last is not None else []
+        if (turn is not None and rest and turn.tools == tools and all(m["role"] != "assistant" for m in rest)
+                and [_normalise(m) for m in msgs[:last]] == turn.history):
+            try:
+                text = self._chat_turns(tok).continuation_of(
+                    [{"role": m["role"], "content": m.get("content") or ""} for m in rest],
+                    _produced_close(tok, turn.completion))
+            except ValueError:  # a template without fixed turn separators: render the whole conversation
+                return self._render(tok, parsed), None
+            ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+            return turn.prompt + tuple(turn.completion.token_ids) + ids, turn
+        return self._render(tok, parsed), None
+
+    async def _complete(self, parsed: _Parsed, session: str, sess: Session) -> dict[str, Any]:
+        engine = sess.engine if sess.engine is not None else self.engine
+        tok = engine.tokenizer
+        tools = json.dumps(parsed.tools, sort_keys=True)
+        prompt, extended = self._prompt(sess, tok, parsed, tools)
+        self.stats["reused_turns" if extended is not None else "rendered_prompts"] += 1
         params = parsed.params
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(prompt)
+        if sess.temperature is not None and params.temperature != sess.temperature:
+            sess.overridden["temperature"] += 1
+            params = dataclasses.replace(params, temperature=sess.temperature)
+        if params.seed is None and sess.seed is not None:
+            params = dataclasses.replace(params, seed=sess.seed + 7919 * len(sess.calls))
+        if sess.max_tokens is not None and params.max_tokens > sess.max_tokens:
+            sess.overridden["max_tokens"] += 1
+            params = dataclasses.replace(params, max_tokens=sess.max_tokens)
+        if sess.top_k_logprobs > params.top_k_logprobs:
+            params = dataclasses.replace(params, top_k_logprobs=sess.top_k_logprobs)
+        limits = [x for x in (self.max_model_len, sess.max_context, getattr(engine, "max_model_len", None)) if x]
+        if limits:
+            limit = int(min(limits))
+            room = limit - len(prompt)
             if room < 1:
-                raise RequestError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
-                                   f"However, your messages resulted in {len(prompt)} tokens.", param="messages",
+                raise RequestError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                   f"messages resulted in {len(prompt)} tokens.", param="messages",
                                    code="context_length_exceeded")
             if params.max_tokens > room:
                 params = dataclasses.replace(params, max_tokens=room)
         params = dataclasses.replace(params, stop_token_ids=stop_token_ids(tok))
         started = time.time()
-        completions = tuple(await self.engine.generate([GenerationRequest(prompt, params)]))
+        work = engine.generate([GenerationRequest(prompt, params)])
+        if sess.loop is not None and sess.loop is not asyncio.get_running_loop():
+            if sess.loop.is_closed():
+                raise RequestError(404, f"session {session!r} has ended (its event loop is closed)",
+                                   code="session_closed")
+            completions = tuple(await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, sess.loop)))
+        else:
+            completions = tuple(await work)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self._record(CapturedCall(session, call_id, parsed.messages, parsed.tools, prompt, completions, started,
-                                  time.time() - started))
-        choices = [self._choice(i, c, parsed) for i, c in enumerate(completions)]
+        call = CapturedCall(session, call_id, parsed.messages, parsed.tools, prompt, completions, started,
+                            time.time() - started, extended.call_id if extended is not None else None,
+                            extended.choice if extended is not None else 0)
+        self._record(sess, call)
+        choices = [_choice(tok, i, c, parsed) for i, c in enumerate(completions)]
+        history = [_normalise(m) for m in parsed.messages]
+        for i, (choice, c) in enumerate(zip(choices, completions)):
+            sess.turns[_turn_key(choice["message"])] = _Turn(call_id, i, history, tools, prompt, c)
         used = sum(len(c.token_ids) for c in completions)
         self.stats["completion_tokens"] += used
         self.stats["prompt_tokens"] += len(prompt)
@@ -349,28 +581,3 @@ class OpenAIEndpoint:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": used,
                           "total_tokens": len(prompt) + used}}
 
-    def _choice(self, index: int, c: Completion, parsed: _Parsed) -> dict[str, Any]:
-        tok = self.engine.tokenizer
-        text = tok.decode(list(c.token_ids), skip_special_tokens=True)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = c.finish_reason
-        if parsed.parse_tools:
-            content, calls = _tool_calls(text)
-            if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
-                finish = "tool_calls"
-        out: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
-        if parsed.logprobs:
-            entries = []
-            for j, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
-                piece = tok.decode([tid])
-                entry: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
-                if parsed.top_logprobs and c.topk_ids:
-                    entry["top_logprobs"] = [
-                        {"token": tok.decode([i]), "logprob": p, "bytes": list(tok.decode([i]).encode())}
-                        for i, p in zip(c.topk_ids[j][:parsed.top_logprobs], c.topk_logprobs[j][:parsed.top_logprobs])]
-                else:
-                    entry["top_logprobs"] = []
-                entries.append(entry)
-            out["logprobs"] = {"content": entries}
-        return out
