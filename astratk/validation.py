@@ -317,6 +317,11 @@ def check_weight_lag(spec: RunSpec) -> None:
     """`rollout.weight_lag` L: the store must still hold version newest - L, every sample is at least L versions
     stale (so the staleness bound must admit it), and the synchronous mode trains version k on version k's
     rollouts, which a lag contradicts."""
+    if spec.dataflow.synchronous and spec.rollout.poll_s is not None:
+        raise ValueError(f"rollout.weight_updates is {spec.rollout.weight_updates} with weight_poll_s "
+                         f"{spec.rollout.poll_s}, but dataflow.synchronous trains step k on version k's rollouts, "
+                         "which a weight load during a chunk contradicts; set weight_updates: between_requests and "
+                         "weight_poll_s: null, or use the asynchronous mode")
     lag = spec.rollout.weight_lag
     if not lag:
         return

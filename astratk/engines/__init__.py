@@ -44,7 +44,8 @@ def build_engine(name: str, model_path: Any, *, run_settings: Mapping[str, Any] 
 
     `kw` are the engine's own arguments (`rollout.engine_args`): each must be a keyword parameter of the constructor
     (or it takes `**kwargs`), else a TypeError names the engine and the parameters it takes. `run_settings` are the
-    run-wide ones every engine may honour (`{"max_batch": rollout.max_batch}`): passed only to constructors that take
+    run-wide ones every engine may honour (`max_batch`: rollout.max_batch; `weight_updates`: rollout.weight_updates, for
+    engines that can switch weights between decode steps): passed only to constructors that take
     them, so a test double, or a user's engine that batches its own way, needs no parameter it would ignore; `kw`
     overrides them. `ScriptedEngine` takes a model directory (its tokenizer is loaded), a tokenizer or None in the
     first slot: `build_engine("scripted", None, script=[[1, 2]])`.

@@ -198,6 +198,9 @@ class _Call:
         self.remaining = len(self.requests)
 
 
+WEIGHT_UPDATES = ("between_requests", "inflight")
+
+
 class TorchEngine:
     """An HF causal LM served with batched sampling, per-token behaviour log-probs and versions.
 
@@ -212,7 +215,7 @@ class TorchEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 512, dtype: str = "auto",
                  device: str = "auto", gpu_memory_utilization: float | None = None, version: int = 0,
-                 batch_window_s: float = 0.002, seed: int = 0) -> None:
+                 batch_window_s: float = 0.002, seed: int = 0, weight_updates: str = "between_requests") -> None:
         # keys as a run config names them (rollout.engine_args), where these arguments come from
         device = resolve_device(device, "rollout.engine_args.device")
         dtype = resolve_dtype(dtype, device, "rollout.engine_args.dtype")
@@ -222,24 +225,29 @@ class TorchEngine:
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         tokenizer = load_tokenizer(path) if has_tokenizer else None  # checked to round-trip text
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
-                    gpu_memory_utilization=gpu_memory_utilization)
+                    gpu_memory_utilization=gpu_memory_utilization, weight_updates=weight_updates)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, *, max_batch: int = 512, version: int = 0,
-                   batch_window_s: float = 0.002, seed: int = 0,
-                   gpu_memory_utilization: float | None = None) -> TorchEngine:
+                   batch_window_s: float = 0.002, seed: int = 0, gpu_memory_utilization: float | None = None,
+                   weight_updates: str = "between_requests") -> TorchEngine:
         """Serve an in-memory model (on its current device and dtype). The engine puts it in eval mode and, on CPU
         with sdpa attention, switches it to the grouped-K/V variant `_sdpa_gqa` (same outputs, faster decode)."""
         self = cls.__new__(cls)
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
                     gpu_memory_utilization=check_fraction(gpu_memory_utilization,
-                                                          "rollout.engine_args.gpu_memory_utilization"))
+                                                          "rollout.engine_args.gpu_memory_utilization"),
+                    weight_updates=weight_updates)
         return self
 
     def _setup(self, model: torch.nn.Module, tokenizer: Any, *, max_batch: int, version: int,
-               batch_window_s: float, seed: int, gpu_memory_utilization: float | None = None) -> None:
+               batch_window_s: float, seed: int, gpu_memory_utilization: float | None = None,
+               weight_updates: str = "between_requests") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if weight_updates not in WEIGHT_UPDATES:
+            raise ValueError(f"rollout.weight_updates must be one of {WEIGHT_UPDATES}, got {weight_updates!r}")
+        self.weight_updates = weight_updates
         self._model, self._tokenizer, self._device = model.eval(), tokenizer, next(model.parameters()).device
         if self._device.type == "cpu" and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation(_GQA_ATTENTION)  # only measured on CPU; CUDA keeps HF's own choice
@@ -253,7 +261,7 @@ class TorchEngine:
         self._pending: collections.deque[tuple[_Call, int]] = collections.deque()  # (call, request index)
         self._closed, self._worker = False, None
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
-                       "budget_capped_batches": 0}
+                       "budget_capped_batches": 0, "inflight_loads": 0}
         self._memory, self._release_memory = self._budget(gpu_memory_utilization)
         self._adapters: dict[str, _Adapter] = {}  # LoRA adapters by name (module docstring)
         self._active: str | None | object = None  # the adapter the model applies now (None: the base alone)
@@ -539,7 +547,7 @@ class TorchEngine:
     def _run_batch(self, requests: list[GenerationRequest], adapter: str | None = None) -> list[Completion]:
         with self._weights_lock, torch.inference_mode():
             version = self._activate(adapter) if self._adapters else self._version
-            tokens, logprobs, lengths, stopped, top_ids, top_lp = self._decode(requests)
+            tokens, logprobs, lengths, stopped, top_ids, top_lp, step_versions = self._decode(requests, adapter, version)
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
         top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
         out = []
@@ -547,16 +555,35 @@ class TorchEngine:
             k = requests[i].params.top_k_logprobs
             topk = ((tuple(tuple(row[:k]) for row in top_ids[i][:n]), tuple(tuple(row[:k]) for row in top_lp[i][:n]))
                     if k and top_ids is not None else ((), ()))
-            out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), (version,) * n,
+            out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), tuple(step_versions[:n]),
                                   "stop" if stopped[i] else "length", *topk))
         s = self._stats
         s.update(batches=s["batches"] + 1, requests=s["requests"] + len(requests), tokens=s["tokens"] + sum(lengths),
                  max_batch_seen=max(s["max_batch_seen"], len(requests)))
         return out
 
-    def _decode(self, requests: list[GenerationRequest]):
-        """Prefill + decode one batch. Returns tokens [B, N], logprobs [B, N], lengths [B], stopped [B] and, when a
-        request asks for top-K log-probs, top-K ids and log-probs [B, N, K] (else None, None), all on CPU."""
+    def _yield_to_loads(self, adapter: str | None) -> int | None:
+        """In-flight mode, between two decode steps, under the weights lock: let waiting `load_weights` calls run
+        (the batch's KV cache is kept), then take the lock back; returns the version now served, or None when no load
+        was waiting."""
+        if not self._loads_waiting:
+            return None
+        self._weights_lock.release()
+        try:
+            while self._loads_waiting:  # each waiting load takes the lock in turn
+                time.sleep(1e-4)
+        finally:
+            self._weights_lock.acquire()
+        self._stats["inflight_loads"] += 1
+        if adapter is not None:
+            self._active = object()  # a load may have re-activated nothing; make the next line re-apply it
+            return self._activate(adapter)
+        return self._version
+
+    def _decode(self, requests: list[GenerationRequest], adapter: str | None = None, version: int = 0):
+        """Prefill + decode one batch. Returns tokens [B, N], logprobs [B, N], lengths [B], stopped [B], top-K ids and
+        log-probs [B, N, K] when a request asks for them (else None, None), all on CPU, and the version of the
+        weights that produced each step's token ([N]: one version throughout, except in in-flight mode)."""
         dev, b, n = self._device, len(requests), max(r.params.max_tokens for r in requests)
         k = max(r.params.top_k_logprobs for r in requests)
         ids, mask, next_pos = _left_padded([r.prompt_ids for r in requests], n, dev)  # [B, P], [B, P+N], [B]
@@ -591,7 +618,10 @@ class TorchEngine:
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         text_stops = {i: _TextStops(r.params.stop) for i, r in enumerate(requests) if r.params.stop}  # by row
         wants_text = torch.tensor([bool(r.params.stop) for r in requests], device=dev)  # [B]
+        inflight = self.weight_updates == "inflight"
+        step_versions: list[int] = []
         for step in range(n):
+            step_versions.append(version)  # the weights that computed `logits`
             tok, lp = _sample(logits, temps, seeds, step)
             out_tokens[rows, step], out_lp[rows, step] = tok, lp
             if k:
@@ -611,12 +641,15 @@ class TorchEngine:
                 cache.batch_select_indices(keep)
                 rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive = (
                     x[keep] for x in (rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive))
+            if inflight and (loaded := self._yield_to_loads(adapter)) is not None:
+                version = loaded  # the next tokens come from the new weights, on the cache computed so far
             logits = self._model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :p + step + 1],
                                  position_ids=next_pos.unsqueeze(1), past_key_values=cache,
                                  use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         cpu = (lambda x: None if x is None else x.cpu())
-        return out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu(), cpu(top_ids), cpu(top_lp)
+        return (out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu(), cpu(top_ids), cpu(top_lp),
+                step_versions)
 
     def _row_seeds(self, requests: list[GenerationRequest]) -> torch.Tensor:
         """[B] int64: the request's seed, or one drawn from the engine's generator."""

@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -102,8 +103,15 @@ class RolloutService:
             if key not in self._engines:
                 r = self.spec.rollout
                 self._engines[key] = build_engine(r.engine, self.ctx.model_paths[policy_id],
-                                                  run_settings={"max_batch": r.max_batch}, **r.engine_args)
+                                                  run_settings=self._engine_settings(purpose), **r.engine_args)
             return self._engines[key]
+
+    def _engine_settings(self, purpose: str) -> dict[str, Any]:
+        """Run-wide engine settings (`build_engine` passes each to engines that take it): rollout engines switch
+        weights as `rollout.weight_updates` says; evaluation engines hold one version per evaluation."""
+        r = self.spec.rollout
+        return {"max_batch": r.max_batch,
+                "weight_updates": r.weight_updates if purpose == "rollout" else "between_requests"}
 
     def _adapter_engine(self, policy_id: str, purpose: str, lora: LoraSpec, rebuild_broken: bool) -> Engine:
         """Under `_engines_lock`: the view of the policy's adapter on the engine of its model directory (module
@@ -126,7 +134,7 @@ class RolloutService:
             ranks = [p.model.lora.r for p in self.spec.policies
                      if p.model.lora is not None and self.ctx.model_paths[p.policy_id] == path]
             base = self._bases[path] = build_engine(
-                r.engine, path, run_settings={"max_batch": r.max_batch, "max_lora_rank": max(ranks),
+                r.engine, path, run_settings={**self._engine_settings(purpose), "max_lora_rank": max(ranks),
                                               "max_loras": 2 * len(ranks)}, **r.engine_args)
         try:
             state, ref = self.store.pull(policy_id, None, None)  # the newest adapter, in full
@@ -191,7 +199,11 @@ class RolloutService:
         synced = {pid: self.sync(pid, version=self._lagged_version(pid)) for pid in policies}
         hardware, slowdown = worker_hardware()
         stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
-        return run_episodes(self._rollout_all(leases, stamp, slowdown))
+        poll = self.spec.rollout.poll_s
+        if poll is None:
+            return run_episodes(self._rollout_all(leases, stamp, slowdown))
+        with WeightWatcher(self, policies, poll):  # newer versions load while the chunk runs
+            return run_episodes(self._rollout_all(leases, stamp, slowdown))
 
     async def _rollout_all(self, leases: Sequence[Lease], stamp: dict, slowdown: float) -> list[LeaseResult]:
         lock = None
@@ -352,6 +364,35 @@ class RolloutService:
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
                 "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
                 **out}
+
+
+class WeightWatcher:
+    """While a rollout chunk runs (a `with` block), load each routed policy's newest version (after `weight_lag`)
+    every `poll_s` seconds on a daemon thread. The engine applies it between batches, or between decode steps in
+    in-flight mode. A failed load is logged and retried at the next poll; the chunk never waits for the watcher."""
+
+    def __init__(self, service: RolloutService, policies: Sequence[str], poll_s: float) -> None:
+        self.service, self.policies, self.poll_s = service, list(policies), poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="astratk-weight-watcher", daemon=True)
+        self.loads = 0
+
+    def __enter__(self) -> WeightWatcher:  # noqa: PYI034 - typing.Self needs Python 3.11
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()  # a load in progress finishes on its own; the chunk's results do not wait for it
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            for pid in self.policies:
+                try:
+                    before = self.service.engine(pid).version
+                    after = self.service.sync(pid, version=self.service._lagged_version(pid))
+                    self.loads += after != before
+                except Exception as e:  # noqa: BLE001 - the next poll retries; rollouts go on with what they have
+                    log.warning("weight watcher: loading policy %r failed: %s", pid, e)
 
 
 def episode_seed(run_seed: int, lease_id: str, episode: int) -> int:

@@ -1,0 +1,113 @@
+"""In-flight weight updates (`rollout.weight_updates: inflight`): a load waiting while a batch decodes is applied
+between two decode steps, the batch's KV cache kept, and every token records the version whose weights produced it.
+Between-requests mode makes the same load wait for the batch to end."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from astratk.contracts import GenerationRequest, SamplingParams
+from astratk.engines import TorchEngine, build_engine
+from tests.unit.test_torch_engine import tiny_model
+
+SWITCH_CALL = 5  # the forward during which a load starts waiting: prefill = call 1, so tokens 0..4 are old weights
+N = 24
+
+
+def perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+def run(mode: str) -> tuple[TorchEngine, tuple, tuple, tuple]:
+    model = tiny_model(0)
+    new = perturbed(model)
+    engine = TorchEngine.from_model(model, version=0, weight_updates=mode)
+    calls = {"n": 0}
+    loader: list[threading.Thread] = []
+
+    def hook(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == SWITCH_CALL and not loader:
+            loader.append(threading.Thread(target=engine.load_weights, args=(new, 7)))
+            loader[0].start()
+            deadline = time.monotonic() + 10
+            while not engine._loads_waiting and time.monotonic() < deadline:
+                time.sleep(1e-3)
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    request = GenerationRequest((5, 6, 7, 8), SamplingParams(temperature=1.0, max_tokens=N, seed=11))
+    [c] = engine.submit([request]).result(60)
+    handle.remove()
+    loader[0].join(30)
+    return engine, c.token_ids, c.logprobs, c.versions
+
+
+def test_inflight_switches_weights_between_decode_steps_and_records_each_tokens_version():
+    engine, tokens, logprobs, versions = run("inflight")
+    assert engine.version == 7 and engine.stats["inflight_loads"] == 1
+    assert versions == (0,) * SWITCH_CALL + (7,) * (N - SWITCH_CALL)
+    # the same request on the old weights throughout: identical until the switch, different after it
+    _, old_tokens, old_lp, old_versions = run("between_requests")
+    assert set(old_versions) == {0}
+    assert tokens[:SWITCH_CALL] == old_tokens[:SWITCH_CALL]
+    assert logprobs[:SWITCH_CALL] == pytest.approx(old_lp[:SWITCH_CALL], abs=1e-6)
+    assert logprobs[SWITCH_CALL:] != pytest.approx(old_lp[SWITCH_CALL:], abs=1e-3)
+    engine.close()
+
+
+def test_between_requests_waits_for_the_batch():
+    engine, _, _, versions = run("between_requests")
+    assert set(versions) == {0} and engine.version == 7 and engine.stats["inflight_loads"] == 0
+    engine.close()
+
+
+def test_the_mode_is_checked_and_reaches_the_engine_from_run_settings(tmp_path):
+    with pytest.raises(ValueError, match="weight_updates"):
+        TorchEngine.from_model(tiny_model(0), weight_updates="sometimes")
+    from astratk.spec import RolloutSpec
+
+    with pytest.raises(ValueError, match="inflight needs engine torch"):
+        RolloutSpec(engine="vllm", weight_updates="inflight").validate()
+    with pytest.raises(ValueError, match="weight_poll_s"):
+        RolloutSpec(weight_poll_s=0).validate()
+    assert RolloutSpec(weight_updates="inflight").poll_s == 0.25 and RolloutSpec().poll_s is None
+    model = tiny_model(0)
+    model.save_pretrained(tmp_path)
+    engine = build_engine("torch", str(tmp_path), run_settings={"max_batch": 4, "weight_updates": "inflight"})
+    assert engine.weight_updates == "inflight"
+    engine.close()
+
+
+def test_the_weight_watcher_loads_newer_versions_while_a_chunk_runs_and_survives_failures():
+    from astratk.rollout.service import WeightWatcher
+
+    class Service:  # the two methods the watcher uses, with a store that publishes a version every call
+        def __init__(self) -> None:
+            self.versions, self.calls = {"a": 0, "b": 0}, 0
+
+        def engine(self, pid):
+            return type("E", (), {"version": self.versions[pid]})()
+
+        def _lagged_version(self, pid):
+            return None
+
+        def sync(self, pid, version=None):
+            self.calls += 1
+            if pid == "b" and self.calls % 3 == 0:
+                raise OSError("store unreachable")
+            self.versions[pid] += 1
+            return self.versions[pid]
+
+    service = Service()
+    with WeightWatcher(service, ["a", "b"], 0.01) as watcher:
+        time.sleep(0.3)
+    time.sleep(0.05)  # a load in progress at the exit finishes on its own
+    after = dict(service.versions)
+    time.sleep(0.1)
+    assert service.versions == after  # stopped with the chunk
+    assert after["a"] >= 5 and after["b"] >= 3 and watcher.loads >= 8
