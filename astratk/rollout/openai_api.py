@@ -11,7 +11,11 @@ What makes it a training tool: each call is captured **in token space**, per ses
 given, and per sample the completion ids, their log-probs under the distribution sampled and the weight version that
 produced each token (`CapturedCall`). A trajectory built from them is exactly what was sampled: nothing is
 re-tokenised. Sessions are told apart by the URL: `session_url(id)` is `<root>/s/<id>/v1`, so concurrent episodes
-each get their own `base_url` and their calls never mix.
+each get their own `base_url` and their calls never mix. `open_session` gives a session its own engine (run on the
+event loop that engine belongs to) and the sampling a training run imposes; within a session, a request that sends
+back an assistant message this endpoint returned reuses that turn's prompt and completion tokens as they were
+sampled, and only the messages after it are rendered (`OpenAIEndpoint`'s docstring). `astratk.envs.agent.AgentEnv`
+builds on this to train agents written against the OpenAI API.
 
 It binds to 127.0.0.1 by default; with `api_key` set every request must carry `Authorization: Bearer <api_key>`
 (what the `openai` client sends). Bad requests get OpenAI-style error bodies (`{"error": {"message", "type",

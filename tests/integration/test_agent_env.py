@@ -212,3 +212,18 @@ def test_bad_arguments_fail_at_construction_and_the_env_pickles_without_its_serv
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=url, api_key=endpoint.api_key, max_retries=0).chat.completions.create(
             model="policy", messages=[{"role": "user", "content": "x"}])
+
+
+def test_the_readme_agent_example_runs_an_episode():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL) if "AgentEnv(" in b]
+    scope = {"rows": ROWS}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the repository's own README
+    env = scope["env"]
+    task = next(iter(env.tasks("train")))
+    engine = ScriptedEngine(TOK, [ids(env.row(task)["answer"]) + [END]])
+    _, [traj] = rollout(env, {"policy": engine}, task=task)
+    assert traj.metrics["calls"] == 1 and env.score(task, [traj]) == [1.0]
