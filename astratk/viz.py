@@ -14,6 +14,7 @@ HTML (interactive, BokehJS inline: it renders offline) and PNG.
 | `drpo_weights()` | DRPO gradient weight w per step: min–max band and mean | `loss_w_mean` / `_min` / `_max` |
 | `drops()` | dropped tasks, groups and trajectories by stage and reason | `dropped` |
 | `throughput()` | tasks/s, tokens/s per rollout service (coloured by hardware) and class | `service_*`, `hardware_*` |
+| `agent()` | an `AgentEnv` run's episodes: calls, tool calls, tokens per call, endpoint latency, reused turns, errors | `data_traj_<role>_<metric>_mean` |
 
 Example:
     >>> import astratk.viz  # registers ds.astra
@@ -37,7 +38,10 @@ from astratk.metrics import EVAL_DIM
 from astratk.records import DROP_STAGES
 
 PLOTS = ("reward", "accuracy", "loss", "response_length", "version_lag", "mismatch", "drpo_weights", "drops",
-         "throughput")  # dashboard order
+         "throughput", "agent")  # dashboard order
+# AgentEnv's trajectory metrics (astratk.envs.agent), per episode and role, averaged over the admitted trajectories
+AGENT_METRICS = ("calls", "tool_calls", "tool_call_errors", "tokens_per_call", "endpoint_latency_s", "reused_turns",
+                 "segments_dropped", "agent_error", "agent_timeout", "reward_error", "reward_timeout")
 TASK_LEVEL = "all policies"  # how drops() labels task-level drops (drop_policy "")
 
 
@@ -242,6 +246,21 @@ class AstraAccessor:
         return plots[0] if len(plots) == 1 else hv.Layout(plots)
 
     # ------------------------------------------------------------------------------------------ composition
+    def agent(self) -> Any:
+        """An agent run's episodes (`AgentEnv`): the per-episode means of its trajectory metrics, one bar per (metric,
+        role), by policy."""
+        import hvplot.pandas  # noqa: F401
+
+        names = [str(n) for n in self._ds.data_vars if str(n).startswith("data_traj_") and any(
+            str(n).endswith(f"_{m}_mean") for m in AGENT_METRICS)]
+        if not any(n.endswith("_calls_mean") for n in names):
+            raise MissingMetrics("agent(): the dataset lacks data_traj_<role>_calls_mean (not an AgentEnv run)")
+        df = self._frame("agent", names)
+        long = df.melt(id_vars=["policy"], value_vars=names, var_name="metric", value_name="per episode").dropna()
+        long["metric"] = long["metric"].str.removeprefix("data_traj_").str.removesuffix("_mean")
+        return long.hvplot.barh(x="metric", y="per episode", by="policy", title="agent episodes (means)",
+                                xlabel="", ylabel="per episode")
+
     def dashboard(self) -> Any:
         """Every plot of `PLOTS` that the dataset supports, two per row; those it lacks are skipped."""
         import holoviews as hv

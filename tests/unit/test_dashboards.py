@@ -256,3 +256,17 @@ def test_save_writes_standalone_html_and_png(ds, tmp_path):
     png = Image.open(files["png"])
     assert png.format == "PNG" and png.size[0] > 800 and png.size[1] > 800
     assert len(png.convert("RGB").getcolors(1 << 24)) > 64  # drawn, not blank
+
+
+def test_agent_panel_shows_an_agent_runs_episode_metrics():
+    import holoviews as hv
+
+    counters = {**COUNTERS, "data/solver/traj/policy/calls_mean": 2.0, "data/solver/traj/policy/tool_calls_mean": 1.0,
+                "data/solver/traj/policy/endpoint_latency_s_mean": 0.05, "data/solver/traj/policy/turns_mean": 9.0}
+    agent_run = build_dataset(["solver"], {}, {}, counters)
+    bars = _bars(agent_run.astra.agent())
+    assert bars == {("policy_calls", "solver"): 2.0, ("policy_tool_calls", "solver"): 1.0,
+                    ("policy_endpoint_latency_s", "solver"): 0.05}  # other envs' metrics (turns) are not the agent's
+    assert "agent episodes (means)" in [hv.render(p, backend="bokeh").title.text for p in agent_run.astra.dashboard()]
+    with pytest.raises(MissingMetrics, match="AgentEnv"):
+        synthetic_metrics().astra.agent()
