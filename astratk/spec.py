@@ -395,8 +395,10 @@ class RolloutSpec:
     """When a rollout worker's engine takes a newly published version. between_requests: between engine batches (a
     batch in flight finishes on the weights it started with; a multi-turn episode's later turns may use newer
     weights). inflight: also between two decode steps of running sequences, their KV cache kept (PipelineRL's
-    in-flight updates; engine torch only); each token records the version that produced it, and staleness counts
-    from a sample's oldest token."""
+    in-flight updates; engine torch only). inflight_recompute: the same switch, but running sequences are interrupted
+    and their prefix (prompt + tokens so far) is prefilled again under the new weights, as if aborted and resubmitted
+    (a partial rollout: exact new-weight log-probs from there on, at the cost of one prefill per load). Each token
+    records the version that produced it, and staleness counts from a sample's oldest token."""
     weight_poll_s: float | None = None
     """While a rollout chunk runs, look for a newer published version every this many seconds and load it (null: only
     when a chunk starts; inflight polls every 0.25 s unless set). Loads go through the same weight_lag rule."""
@@ -417,12 +419,13 @@ class RolloutSpec:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
             raise ValueError(f"{key}.weight_lag must be an integer >= 0 (versions behind the newest that "
                              f"rollouts use; 0: the newest), got {lag!r}")
-        if self.weight_updates not in ("between_requests", "inflight"):
-            raise ValueError(f"{key}.weight_updates must be between_requests or inflight, got {self.weight_updates!r}")
-        if self.weight_updates == "inflight" and self.engine not in ("torch", "astratk.engines.TorchEngine",
+        if self.weight_updates not in ("between_requests", "inflight", "inflight_recompute"):
+            raise ValueError(f"{key}.weight_updates must be between_requests, inflight or inflight_recompute, got "
+                             f"{self.weight_updates!r}")
+        if self.weight_updates != "between_requests" and self.engine not in ("torch", "astratk.engines.TorchEngine",
                                                                      "astratk.engines.torch_engine.TorchEngine"):
-            raise ValueError(f"{key}.weight_updates: inflight needs engine torch (it switches weights between decode "
-                             f"steps); engine {self.engine!r} takes new weights between requests only")
+            raise ValueError(f"{key}.weight_updates: {self.weight_updates} needs engine torch (it switches weights "
+                             f"between decode steps); engine {self.engine!r} takes new weights between requests only")
         if self.weight_poll_s is not None and not self.weight_poll_s > 0:
             raise ValueError(f"{key}.weight_poll_s must be > 0 seconds or null, got {self.weight_poll_s}")
 
@@ -431,7 +434,7 @@ class RolloutSpec:
         """Seconds between weight checks while a chunk runs (None: at chunk starts only)."""
         if self.weight_poll_s is not None:
             return self.weight_poll_s
-        return 0.25 if self.weight_updates == "inflight" else None
+        return 0.25 if self.weight_updates != "between_requests" else None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""In-flight weight updates against between-requests switching, side by side on one engine (issue 18).
+"""In-flight weight updates (KV kept, or prefix recomputed) against between-requests switching, side by side (issue 18).
 
     python bench/inflight.py                      # quickstart-sized model, 3 rounds per mode, ~2 min on 2 cores
     python bench/inflight.py --tokens 256 --publish-every 0.2
@@ -6,7 +6,7 @@
 A TorchEngine decodes batches of long generations (no stop token: every row runs `--tokens` tokens, as a long agent
 turn does) while the trainer publishes a new version every `--publish-every` seconds on its own clock, and a watcher thread (the
 rollout worker's) loads the newest version as a full state when it appears (`--poll`). Both modes see the same
-requests and the same publishing schedule, alternating mode per round. Reported per mode:
+requests and the same publishing schedule, rotating the order of the modes per round. Reported per mode:
 - tokens/s of the engine;
 - load latency: from a version's publication to its weights serving (between requests: the load waits for the batch
   in flight to end; in flight: for the current decode step);
@@ -97,13 +97,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=192, help="new tokens per sequence (no stop token)")
     ap.add_argument("--publish-every", type=float, default=0.3, help="seconds between published versions")
     ap.add_argument("--poll", type=float, default=0.02, help="seconds between the watcher's checks")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, alternating")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per mode, the order rotating")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a rollout worker's default is 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    results: dict[str, list[dict[str, float]]] = {"between_requests": [], "inflight": []}
+    modes = ("between_requests", "inflight", "inflight_recompute")
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (("between_requests", "inflight") if r % 2 == 0 else ("inflight", "between_requests")):
+        for mode in modes[r % 3:] + modes[:r % 3]:  # each mode first once in three rounds
             results[mode].append(one_round(mode, args))
             print(f"round {r + 1} {mode}: " + ", ".join(f"{k} {v:.3g}" for k, v in results[mode][-1].items()),
                   flush=True)

@@ -44,6 +44,7 @@ Example (the tutorial `tutorials/08_agent.py` trains one):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import math
 import numbers
@@ -58,6 +59,7 @@ from astratk.contracts import Engine, SamplingParams
 from astratk.envs.dataset import DatasetEnv
 from astratk.models.chat import encode_chat, parse_tool_calls
 from astratk.records import Task, Trajectory
+from astratk.rollout.bounded import _abandon
 
 ARGS_AGENT = ("task", "prompt", "base_url", "api_key", "model", "base_urls", "models", "session")
 ARGS_REWARD = ("task", "prompt", "output", "calls", "role")
@@ -93,18 +95,27 @@ def _select(f: Callable[..., Any], offered: Mapping[str, Any], allowed: Sequence
 
 
 async def _call_bounded(f: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float | None) -> Any:
-    """`f(**kwargs)`, awaited if async, on a worker thread if sync (the event loop keeps serving the engine), at most
-    `timeout_s` seconds (asyncio.TimeoutError). A sync call past its time is abandoned, not killed: its later requests
-    to the closed session are refused, so it ends at its next call."""
+    """`f(**kwargs)`, awaited if async, else on a daemon thread of its own (the event loop keeps serving the engine,
+    and a group's episodes all run at once, so their calls share the engine's batches), at most `timeout_s` seconds
+    (asyncio.TimeoutError). A sync call past its time is abandoned, not killed (counted in `abandoned_threads`): its
+    later requests to its closed session are refused, so it ends at its next call."""
     if inspect.iscoroutinefunction(f) or (not inspect.isroutine(f) and inspect.iscoroutinefunction(type(f).__call__)):
-        work = f(**kwargs)
-    else:
-        async def on_thread() -> Any:
-            out = await asyncio.to_thread(f, **kwargs)
-            return await out if inspect.isawaitable(out) else out
+        return await asyncio.wait_for(f(**kwargs), timeout_s)
+    future: concurrent.futures.Future = concurrent.futures.Future()
 
-        work = on_thread()
-    return await asyncio.wait_for(work, timeout_s)
+    def target() -> None:
+        try:
+            out = f(**kwargs)
+            future.set_result(asyncio.run(out) if inspect.isawaitable(out) else out)
+        except BaseException as e:  # noqa: BLE001 - handed to the episode
+            future.set_exception(e)
+
+    threading.Thread(target=target, name="astratk-agent", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+    except asyncio.TimeoutError:
+        _abandon()
+        raise
 
 
 class AgentEnv(DatasetEnv):

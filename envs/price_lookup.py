@@ -12,7 +12,7 @@ good episode turn by turn, for the supervised warm start of a tiny model (`Agent
 Example:
     >>> r = rows(1, seed=0)[0]
     >>> r["prompt"], r["answer"] == str(r["prices"][r["item"]])
-    ('price of W19?', True)
+    ('price of B5?', True)
     >>> lookup(r["prices"], r["item"]) == f"{r['item']}: {r['answer']}"
     True
 """
@@ -31,16 +31,17 @@ ITEMS_PER_ROW = 4
 
 
 def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` questions, each with its own price list of `ITEMS_PER_ROW` items (codes like "K7" or "B12")."""
+    """`n` questions, each with its own price list of `ITEMS_PER_ROW` items (codes like "K7", prices 10-99: fixed
+    widths, so that a character-level model of a few layers learns to copy them)."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
         codes: list[str] = []
         while len(codes) < ITEMS_PER_ROW:
-            code = rng.choice(string.ascii_uppercase) + str(rng.randint(1, 99))
+            code = rng.choice(string.ascii_uppercase) + str(rng.randint(1, 9))
             if code not in codes:
                 codes.append(code)
-        prices = {c: rng.randint(1, 99) for c in codes}
+        prices = {c: rng.randint(10, 99) for c in codes}
         item = rng.choice(codes)
         key = (item, json.dumps(prices, sort_keys=True))
         if key in seen:

@@ -198,7 +198,7 @@ class _Call:
         self.remaining = len(self.requests)
 
 
-WEIGHT_UPDATES = ("between_requests", "inflight")
+WEIGHT_UPDATES = ("between_requests", "inflight", "inflight_recompute")
 
 
 class TorchEngine:
@@ -618,7 +618,7 @@ class TorchEngine:
         alive = torch.ones(b, dtype=torch.bool, device=dev)
         text_stops = {i: _TextStops(r.params.stop) for i, r in enumerate(requests) if r.params.stop}  # by row
         wants_text = torch.tensor([bool(r.params.stop) for r in requests], device=dev)  # [B]
-        inflight = self.weight_updates == "inflight"
+        inflight = self.weight_updates != "between_requests"
         step_versions: list[int] = []
         for step in range(n):
             step_versions.append(version)  # the weights that computed `logits`
@@ -642,7 +642,16 @@ class TorchEngine:
                 rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive = (
                     x[keep] for x in (rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive))
             if inflight and (loaded := self._yield_to_loads(adapter)) is not None:
-                version = loaded  # the next tokens come from the new weights, on the cache computed so far
+                version = loaded  # the next tokens come from the new weights
+                if self.weight_updates == "inflight_recompute":  # as if aborted and resubmitted with its prefix:
+                    seq = torch.cat([ids[rows], out_tokens[rows, :step + 1]], dim=1)  # [R, P + step + 1]
+                    seq_mask = mask[:, :p + step + 1]
+                    cache = self._new_cache(p + n)  # the prefix's KV recomputed under the new weights
+                    logits = self._model(input_ids=seq, attention_mask=seq_mask,
+                                         position_ids=(seq_mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache,
+                                         use_cache=True, logits_to_keep=1).logits[:, -1]
+                    next_pos = next_pos + 1
+                    continue
             logits = self._model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :p + step + 1],
                                  position_ids=next_pos.unsqueeze(1), past_key_values=cache,
                                  use_cache=True).logits[:, -1]

@@ -23,6 +23,18 @@ def perturbed(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
 
 
+def full_forward_logprobs(state: dict[str, torch.Tensor], prompt: tuple, tokens: tuple) -> list[float]:
+    """Log-probs of `tokens` after `prompt` under `state`, from one forward over the whole sequence (no cache)."""
+    model = tiny_model(0)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+PROMPT = (5, 6, 7, 8)
+
+
 def run(mode: str) -> tuple[TorchEngine, tuple, tuple, tuple]:
     model = tiny_model(0)
     new = perturbed(model)
@@ -40,7 +52,7 @@ def run(mode: str) -> tuple[TorchEngine, tuple, tuple, tuple]:
                 time.sleep(1e-3)
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    request = GenerationRequest((5, 6, 7, 8), SamplingParams(temperature=1.0, max_tokens=N, seed=11))
+    request = GenerationRequest(PROMPT, SamplingParams(temperature=1.0, max_tokens=N, seed=11))
     [c] = engine.submit([request]).result(60)
     handle.remove()
     loader[0].join(30)
@@ -57,6 +69,22 @@ def test_inflight_switches_weights_between_decode_steps_and_records_each_tokens_
     assert tokens[:SWITCH_CALL] == old_tokens[:SWITCH_CALL]
     assert logprobs[:SWITCH_CALL] == pytest.approx(old_lp[:SWITCH_CALL], abs=1e-6)
     assert logprobs[SWITCH_CALL:] != pytest.approx(old_lp[SWITCH_CALL:], abs=1e-3)
+    engine.close()
+
+
+def test_inflight_recompute_reprefills_the_prefix_under_the_new_weights():
+    """Abort-and-resubmit semantics in the engine: after the switch each token's log-prob is the new weights' on the
+    whole sequence so far (its prefix recomputed), which plain in-flight (old KV kept) does not give."""
+    new = perturbed(tiny_model(0))
+    engine, tokens, logprobs, versions = run("inflight_recompute")
+    assert versions == (0,) * SWITCH_CALL + (7,) * (N - SWITCH_CALL)
+    fresh = full_forward_logprobs(new, PROMPT, tokens)
+    assert logprobs[SWITCH_CALL:] == pytest.approx(fresh[SWITCH_CALL:], abs=1e-4)
+    old = full_forward_logprobs(tiny_model(0).state_dict(), PROMPT, tokens)
+    assert logprobs[:SWITCH_CALL] == pytest.approx(old[:SWITCH_CALL], abs=1e-4)
+    _, kept_tokens, kept_lp, _ = run("inflight")  # old KV kept: not what the new weights give on the whole prefix
+    fresh_kept = full_forward_logprobs(new, PROMPT, kept_tokens)
+    assert kept_lp[SWITCH_CALL:] != pytest.approx(fresh_kept[SWITCH_CALL:], abs=1e-3)
     engine.close()
 
 
