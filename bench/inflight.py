@@ -4,12 +4,12 @@
     python bench/inflight.py --tokens 256 --publish-every 0.2
 
 A TorchEngine decodes batches of long generations (no stop token: every row runs `--tokens` tokens, as a long agent
-turn does) while the trainer publishes a new version every `--publish-every` seconds on its own clock, and a watcher thread (the
-rollout worker's) loads the newest version as a full state when it appears (`--poll`). Both modes see the same
-requests and the same publishing schedule, rotating the order of the modes per round. Reported per mode:
+turn does) while the trainer publishes a new version every `--publish-every` seconds on its own clock, and a watcher
+thread (the rollout worker's) loads the newest version as a full state when it appears (`--poll`). All modes see the
+same requests and the same publishing schedule, the order of the modes rotating per round. Reported per mode:
 - tokens/s of the engine;
 - load latency: from a version's publication to its weights serving (between requests: the load waits for the batch
-  in flight to end; in flight: for the current decode step);
+  in flight to end; in flight: for the current decode step, plus the prefix's prefill in the recompute mode);
 - staleness of the finished samples: for each completion, the newest version published when it finished minus the
   version of its oldest token (what the data layer's staleness bound sees), and minus each token's version on
   average;

@@ -109,3 +109,22 @@ def test_weight_lag_is_validated(tmp_path):
     spec.rollout.weight_lag = -1
     with pytest.raises(ValueError, match="weight_lag must be an integer >= 0"):
         spec.validate()
+
+
+@pytest.mark.parametrize("mode", ["inflight", "inflight_recompute"])
+def test_inflight_weight_updates_run_through_the_config_keys(tmp_path, mode):
+    """`rollout.weight_updates` reaches the rollout workers' engines and a watcher loads versions while chunks run."""
+    spec = small_spec(tmp_path, processes=False, max_steps=4)
+    spec.rollout.weight_updates = mode
+    spec.rollout.weight_poll_s = 0.05
+    result = Run(spec.validate(), printer=lambda s: None).start()
+    assert result.summary["steps"] == 4 and result.summary["final_version"] == 4
+    ds = result.metrics()
+    assert float(ds["train_behavior_version_max"].max()) >= 1  # rollouts moved to newer versions during the run
+
+
+def test_inflight_is_refused_in_the_synchronous_mode(tmp_path):
+    spec = small_spec(tmp_path)
+    spec.dataflow.synchronous, spec.rollout.weight_updates = True, "inflight"
+    with pytest.raises(ValueError, match="synchronous trains step k on version k"):
+        spec.validate()
