@@ -227,3 +227,21 @@ def test_the_readme_agent_example_runs_an_episode():
     engine = ScriptedEngine(TOK, [ids(env.row(task)["answer"]) + [END]])
     _, [traj] = rollout(env, {"policy": engine}, task=task)
     assert traj.metrics["calls"] == 1 and env.score(task, [traj]) == [1.0]
+
+
+def test_with_several_choices_the_one_the_agent_went_on_with_is_kept():
+    from astratk.contracts import Completion
+    from astratk.envs.agent import trajectory_from_calls
+    from astratk.records import Task
+    from astratk.rollout.openai_api import CapturedCall
+
+    def done(tokens, v):
+        return Completion(tuple(tokens), tuple([-0.5] * len(tokens)), tuple([v] * len(tokens)), "stop")
+
+    first = CapturedCall("s", "c1", [], None, (1, 2), (done([10, 11], 3), done([20, 21], 3)), 0.0, 0.01)
+    second = CapturedCall("s", "c2", [], None, (1, 2, 20, 21, 7, 7), (done([30], 4),), 1.0, 0.02, "c1", 1)
+    traj = trajectory_from_calls([first, second], TOK, task=Task("t", "agent", "q"), group_id="g", policy_id="p",
+                                 role="policy")
+    assert traj.tokens == (1, 2, 20, 21, 7, 7, 30) and traj.loss_mask == (1, 1, 0, 0, 1)
+    assert traj.behavior_versions == (3, 3, -1, -1, 4) and traj.metrics["segments_dropped"] == 0
+    assert traj.metrics["endpoint_latency_s"] == pytest.approx(0.015)
