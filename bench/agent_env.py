@@ -38,7 +38,7 @@ def spec(args: argparse.Namespace):
     return RunSpec(
         name="agent-bench", output_dir=str(args.out / "runs"), env=env, seed=args.seed,
         policies=[PolicySpec(
-            model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=600, warm_start_target=0.5)),
+            model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=1500, warm_start_target=0.5)),
             loss=DRPO(delta=0.2), trainer=TrainerSpec(max_time_s=args.seconds, max_steps=100_000, groups_per_step=8,
                                                       lr=args.lr))],
         rollout=RolloutSpec(group_size=8, max_new_tokens=80, tasks_per_chunk=8),

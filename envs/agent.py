@@ -119,7 +119,8 @@ async def _call_bounded(f: Callable[..., Any], kwargs: dict[str, Any], timeout_s
 
 
 class AgentEnv(DatasetEnv):
-    """An OpenAI-API agent as an env (module docstring).
+    """An OpenAI-API agent as an env (module docstring). A tiny model's warm start checks it turn by turn
+    (`multi_turn`: greedy decoding must reproduce every turn of a held-out task's demonstrations).
 
     Args:
         dataset: the tasks (rows with a `prompt` and any other columns; as for `FunctionEnv`).
@@ -136,6 +137,8 @@ class AgentEnv(DatasetEnv):
         model_name: the model name the endpoint serves (what the agent passes as `model`).
         host: the address the endpoint binds (127.0.0.1: this machine only; every request carries a random key).
     """
+
+    multi_turn = True
 
     def __init__(self, dataset: Any, agent: Callable[..., Any] | str, reward: Callable[..., Any] | str, *,
                  roles: Sequence[str] = ("policy",), eval_dataset: Any = None, heldout: float = 0.1,

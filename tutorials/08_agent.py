@@ -62,7 +62,8 @@ def reward(task, output):
 # %% [markdown]
 # The dataset is a list of rows (a `datasets.Dataset` or a file works too); the agent gets the whole row as `task`.
 # `demonstrations` (a good episode, turn by turn, with the tools) lets astratk warm-start a tiny model that knows the
-# tool-call format but is still often wrong; with your own model, give `model.path` instead.
+# tool-call format but is still often wrong (it trains until greedy decoding reproduces half of the demonstrated turns:
+# several minutes on a laptop core, once; the model is cached); with your own model, give `model.path` instead.
 
 # %%
 rows = price_lookup.rows(4000, seed=0)
@@ -72,7 +73,7 @@ env = AgentEnv(rows, agent, reward, heldout=128, demonstrations=price_lookup.dem
 spec = RunSpec(
     name="agent", output_dir="runs/tutorials", env=env,
     policies=[PolicySpec(
-        model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=400, warm_start_target=None)),
+        model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=1500, warm_start_target=0.5)),
         loss=DRPO(delta=0.2),
         trainer=TrainerSpec(max_time_s=180, groups_per_step=8, lr=1e-4))],
     rollout=RolloutSpec(group_size=8, max_new_tokens=80, tasks_per_chunk=8),

@@ -168,6 +168,8 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
     tasks = list(itertools.islice(env.tasks("heldout"), max_tasks))
     if not tasks:
         raise ValueError(f"env {env.name!r} has no held-out tasks to measure the warm start on")
+    if getattr(env, "multi_turn", False):  # an agent: each turn of its demonstrations, from the turns before it
+        return _turns_accuracy(model, tok, env, tasks, batch)
     stops = list(stop_token_ids(tok))
     # Room for the longest reference answer, its <|im_end|>, and a little slack for wrong, longer answers.
     budget = max(len(tok(env.demonstration(t), add_special_tokens=False)["input_ids"]) for t in tasks) + 3
@@ -185,6 +187,30 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
             text = tok.decode(row, skip_special_tokens=True)
             correct += env.grade(task, text) == 1.0  # type: ignore[attr-defined]
     return correct / len(tasks), finished / len(tasks), len(tasks)
+
+
+@torch.no_grad()
+def _turns_accuracy(model, tok, env: Env, tasks: list[Task], batch: int) -> tuple[float, float, int]:
+    """For multi-turn envs (agents): a held-out task counts when greedy decoding reproduces every assistant turn of its
+    demonstrations, each from the demonstration's messages before it (a deterministic tool then gives the agent the
+    same episode). Returns (accuracy, finished fraction of the turns, n graded)."""
+    stops = list(stop_token_ids(tok))
+    turns = [(i, p, c) for i, t in enumerate(tasks) for p, c in _examples(tok, env, t)]  # c ends with <|im_end|>
+    right = [True] * len(tasks)
+    finished = 0
+    device = next(model.parameters()).device
+    for start in range(0, len(turns), batch):
+        chunk = turns[start:start + batch]
+        enc = tok.pad({"input_ids": [p for _, p, _ in chunk]}, padding=True, return_tensors="pt",  # type: ignore[attr-defined]
+                      padding_side="left")
+        enc = {k: v.to(device) for k, v in enc.items()}
+        budget = max(len(c) for _, _, c in chunk) + 3
+        out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=stops,
+                             pad_token_id=tok.pad_token_id)
+        for (i, _, want), row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+            finished += any(t in stops for t in row)
+            right[i] &= row[:len(want)] == list(want)
+    return sum(right) / len(tasks), finished / max(1, len(turns)), len(tasks)
 
 
 def warm_start(model, tok, env: Env, spec: TinyModelSpec, log: Callable[[str], None] = print) -> WarmStartReport:

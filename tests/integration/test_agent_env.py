@@ -245,3 +245,31 @@ def test_with_several_choices_the_one_the_agent_went_on_with_is_kept():
     assert traj.tokens == (1, 2, 20, 21, 7, 7, 30) and traj.loss_mask == (1, 1, 0, 0, 1)
     assert traj.behavior_versions == (3, 3, -1, -1, 4) and traj.metrics["segments_dropped"] == 0
     assert traj.metrics["endpoint_latency_s"] == pytest.approx(0.015)
+
+
+def test_the_warm_start_checks_an_agent_turn_by_turn():
+    """A held-out task counts only when greedy decoding reproduces every turn of its demonstrations."""
+    import torch
+
+    from astratk.models.warm_start import _examples, heldout_accuracy
+
+    env = AgentEnv(ROWS, price_lookup.agent, price_lookup.reward, heldout=4, demonstrations=price_lookup.demonstrations)
+    tasks = list(env.tasks("heldout"))
+    answers = {tuple(p): c for t in tasks for p, c in _examples(TOK, env, t)}
+    wrong_turn = {tuple(p) for p, _ in _examples(TOK, env, tasks[0])[1:]}  # task 0's second turn comes out wrong
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, input_ids, attention_mask, max_new_tokens, **kw):
+            rows = []
+            for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+                prompt = tuple(i for i, m in zip(ids, mask) if m)
+                out = list(answers[prompt]) if prompt not in wrong_turn else ids[-1:] + [END]
+                rows.append(ids + (out + [TOK.pad_token_id] * max_new_tokens)[:max_new_tokens])
+            return torch.tensor(rows)
+
+    accuracy, finished, n = heldout_accuracy(Model(), TOK, env)
+    assert (accuracy, finished, n) == (3 / 4, 1.0, 4)
