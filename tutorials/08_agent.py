@@ -19,11 +19,11 @@ import json
 from openai import OpenAI
 
 import astratk
-import astratk.viz  # noqa: F401 - registers the .astra dashboards on metrics datasets
+import astratk.viz  # registers the .astra dashboards on metrics datasets
 from astratk.envs import price_lookup
 from astratk.envs.agent import AgentEnv
-from astratk.quick import short_mode, smoke
 from astratk.losses.drpo import DRPO
+from astratk.quick import short_mode, smoke
 from astratk.spec import EvalSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec, TinyModelSpec, TrainerSpec
 
 # %% [markdown]

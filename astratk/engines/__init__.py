@@ -45,9 +45,10 @@ def build_engine(name: str, model_path: Any, *, run_settings: Mapping[str, Any] 
     `kw` are the engine's own arguments (`rollout.engine_args`): each must be a keyword parameter of the constructor
     (or it takes `**kwargs`), else a TypeError names the engine and the parameters it takes. `run_settings` are the
     run-wide ones every engine may honour (`max_batch`: rollout.max_batch; `weight_updates`: rollout.weight_updates, for
-    engines that can switch weights between decode steps): passed only to constructors that take
-    them, so a test double, or a user's engine that batches its own way, needs no parameter it would ignore; `kw`
-    overrides them. `ScriptedEngine` takes a model directory (its tokenizer is loaded), a tokenizer or None in the
+    engines that can switch weights between decode steps): passed only to constructors that name them as parameters
+    (a bare `**kwargs` does not count: an engine that forwards its extra arguments to a library, as VLLMEngine does
+    to `vllm.LLM`, must not receive settings it never declared), so a test double, or a user's engine that batches
+    its own way, needs no parameter it would ignore; `kw` overrides them. `ScriptedEngine` takes a model directory (its tokenizer is loaded), a tokenizer or None in the
     first slot: `build_engine("scripted", None, script=[[1, 2]])`.
     """
     cls = resolve("engine", name)
@@ -56,13 +57,15 @@ def build_engine(name: str, model_path: Any, *, run_settings: Mapping[str, Any] 
         raise TypeError(f"engine {name!r} ({cls.__module__}.{cls.__qualname__}) takes no argument {unknown} "
                         f"(rollout.engine_args); its constructor takes {sorted(accepted)}. Drop them from "
                         "rollout.engine_args, or add them to the engine's constructor")
-    settings = {k: v for k, v in (run_settings or {}).items() if accepted is None or k in accepted}
+    named = _keyword_parameters(cls, named_only=True)
+    settings = {k: v for k, v in (run_settings or {}).items() if k in named}
     return cls(model_path, **{**settings, **kw})
 
 
-def _keyword_parameters(cls: Any) -> set[str] | None:
-    """The names `cls(model_path, name=...)` accepts, or None when its constructor takes `**kwargs`."""
+def _keyword_parameters(cls: Any, named_only: bool = False) -> set[str] | None:
+    """The names `cls(model_path, name=...)` accepts, or None when its constructor takes `**kwargs` (with
+    `named_only`: the names it declares, whether or not it also takes `**kwargs`)."""
     params = list(inspect.signature(cls).parameters.values())[1:]  # the first slot is the model directory
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    if not named_only and any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}

@@ -139,3 +139,18 @@ def test_the_weight_watcher_loads_newer_versions_while_a_chunk_runs_and_survives
     time.sleep(0.1)
     assert service.versions == after  # stopped with the chunk
     assert after["a"] >= 5 and after["b"] >= 3 and watcher.loads >= 8
+
+
+class ForwardingEngine:
+    """An engine that forwards unknown keyword arguments to a library, as VLLMEngine does to `vllm.LLM`."""
+
+    def __init__(self, model_path, *, max_batch: int = 1, **library_args) -> None:
+        self.max_batch, self.library_args = max_batch, library_args
+
+
+def test_run_settings_reach_only_parameters_an_engine_names():
+    """A bare **kwargs does not receive run-wide settings (weight_updates once reached vllm.LLM this way and broke
+    every vLLM run); the engine's own arguments still pass through it."""
+    engine = build_engine(f"{__name__}.ForwardingEngine", "m",
+                          run_settings={"max_batch": 4, "weight_updates": "between_requests"}, enforce_eager=True)
+    assert engine.max_batch == 4 and engine.library_args == {"enforce_eager": True}
