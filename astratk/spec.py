@@ -397,8 +397,9 @@ class RolloutSpec:
     weights). inflight: also between two decode steps of running sequences, their KV cache kept (PipelineRL's
     in-flight updates; engine torch only). inflight_recompute: the same switch, but running sequences are interrupted
     and their prefix (prompt + tokens so far) is prefilled again under the new weights, as if aborted and resubmitted
-    (a partial rollout: exact new-weight log-probs from there on, at the cost of one prefill per load). Each token
-    records the version that produced it, and staleness counts from a sample's oldest token."""
+    (a partial rollout: exact new-weight log-probs from there on, at the cost of one prefill per load; the next load
+    waits until the engine has decoded for as long as the last prefill took, so fast publishing cannot stall it).
+    Each token records the version that produced it, and staleness counts from a sample's oldest token."""
     weight_poll_s: float | None = None
     """While a rollout chunk runs, look for a newer published version every this many seconds and load it (null: only
     when a chunk starts; inflight polls every 0.25 s unless set). Loads go through the same weight_lag rule."""

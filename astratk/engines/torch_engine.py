@@ -261,7 +261,7 @@ class TorchEngine:
         self._pending: collections.deque[tuple[_Call, int]] = collections.deque()  # (call, request index)
         self._closed, self._worker = False, None
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
-                       "budget_capped_batches": 0, "inflight_loads": 0}
+                       "budget_capped_batches": 0, "inflight_loads": 0, "recompute_s": 0.0}
         self._memory, self._release_memory = self._budget(gpu_memory_utilization)
         self._adapters: dict[str, _Adapter] = {}  # LoRA adapters by name (module docstring)
         self._active: str | None | object = None  # the adapter the model applies now (None: the base alone)
@@ -283,9 +283,10 @@ class TorchEngine:
         return int(n) if n else None
 
     @property
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """Counters since construction: batches run, requests and tokens served, largest batch, failed batches,
-        batches cut short by the memory budget."""
+        batches cut short by the memory budget, weight loads taken between decode steps, seconds spent prefilling
+        prefixes again (`inflight_recompute`)."""
         return dict(self._stats)
 
     @property
@@ -619,6 +620,12 @@ class TorchEngine:
         text_stops = {i: _TextStops(r.params.stop) for i, r in enumerate(requests) if r.params.stop}  # by row
         wants_text = torch.tensor([bool(r.params.stop) for r in requests], device=dev)  # [B]
         inflight = self.weight_updates != "between_requests"
+        recompute = self.weight_updates == "inflight_recompute"
+        # A recompute prefills every running prefix again. Versions published faster than that would make each token
+        # pay a whole prefill (decoding stalls: measured 26x slower at a version every 0.3 s), so the next in-flight
+        # load is taken only after decoding for as long as the last recompute took: recomputing takes at most about
+        # half the engine's time, and a waiting load waits at most that long (or for the batch's end).
+        decoding_since, recompute_cost = time.perf_counter(), 0.0
         step_versions: list[int] = []
         for step in range(n):
             step_versions.append(version)  # the weights that computed `logits`
@@ -641,9 +648,11 @@ class TorchEngine:
                 cache.batch_select_indices(keep)
                 rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive = (
                     x[keep] for x in (rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive))
-            if inflight and (loaded := self._yield_to_loads(adapter)) is not None:
+            if (inflight and (not recompute or time.perf_counter() - decoding_since >= recompute_cost)
+                    and (loaded := self._yield_to_loads(adapter)) is not None):
                 version = loaded  # the next tokens come from the new weights
-                if self.weight_updates == "inflight_recompute":  # as if aborted and resubmitted with its prefix:
+                if recompute:  # as if aborted and resubmitted with its prefix:
+                    started = time.perf_counter()
                     seq = torch.cat([ids[rows], out_tokens[rows, :step + 1]], dim=1)  # [R, P + step + 1]
                     seq_mask = mask[:, :p + step + 1]
                     cache = self._new_cache(p + n)  # the prefix's KV recomputed under the new weights
@@ -651,6 +660,9 @@ class TorchEngine:
                                          position_ids=(seq_mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache,
                                          use_cache=True, logits_to_keep=1).logits[:, -1]
                     next_pos = next_pos + 1
+                    decoding_since = time.perf_counter()
+                    recompute_cost = decoding_since - started
+                    self._stats["recompute_s"] += recompute_cost
                     continue
             logits = self._model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :p + step + 1],
                                  position_ids=next_pos.unsqueeze(1), past_key_values=cache,

@@ -4,6 +4,7 @@ Between-requests mode makes the same load wait for the batch to end."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -154,3 +155,38 @@ def test_run_settings_reach_only_parameters_an_engine_names():
     engine = build_engine(f"{__name__}.ForwardingEngine", "m",
                           run_settings={"max_batch": 4, "weight_updates": "between_requests"}, enforce_eager=True)
     assert engine.max_batch == 4 and engine.library_args == {"enforce_eager": True}
+
+
+def test_recompute_cannot_stall_decoding_when_versions_arrive_at_every_step():
+    """A load waits at every decode step (versions published faster than a prefix can be prefilled): plain in-flight
+    takes one per step; the recompute mode takes the next only after decoding as long as the last recompute took, so
+    every version serves at least two tokens and the batch still ends."""
+    def loaded_versions(mode: str) -> tuple[tuple[int, ...], TorchEngine]:
+        model = tiny_model(0)
+        state = model.state_dict()
+        engine = TorchEngine.from_model(model, version=0, weight_updates=mode)
+        loaders: list[threading.Thread] = []
+
+        def hook(module, args, kwargs):  # every forward: a new version starts waiting for the weights lock
+            if loaders and loaders[-1].is_alive():
+                return
+            loaders.append(threading.Thread(target=engine.load_weights, args=(state, len(loaders) + 1)))
+            loaders[-1].start()
+            deadline = time.monotonic() + 10
+            while not engine._loads_waiting and time.monotonic() < deadline:
+                time.sleep(1e-3)
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        [c] = engine.submit([GenerationRequest(PROMPT, SamplingParams(temperature=1.0, max_tokens=N, seed=1))]).result(60)
+        handle.remove()
+        for t in loaders:
+            t.join(30)
+        engine.close()
+        return c.versions, engine
+
+    versions, engine = loaded_versions("inflight")
+    assert engine.stats["inflight_loads"] == N - 1 and len(set(versions)) == N  # a new version at every token
+    versions, engine = loaded_versions("inflight_recompute")
+    runs = [sum(1 for _ in group) for _, group in itertools.groupby(versions)]
+    assert len(versions) == N and min(runs[1:-1]) >= 2, runs  # the first load comes before any recompute cost
+    assert 1 <= engine.stats["inflight_loads"] <= N // 2 and engine.stats["recompute_s"] > 0
