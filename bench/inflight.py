@@ -1,6 +1,6 @@
 """In-flight weight updates (KV kept, or prefix recomputed) against between-requests switching, side by side (issue 18).
 
-    python bench/inflight.py                      # quickstart-sized model, 3 rounds per mode, ~2 min on 2 cores
+    python bench/inflight.py                      # quickstart-sized model, 3 rounds per mode, ~4 min on 2 cores
     python bench/inflight.py --tokens 256 --publish-every 0.2
 
 A TorchEngine decodes batches of long generations (no stop token: every row runs `--tokens` tokens, as a long agent
@@ -111,12 +111,12 @@ def main() -> None:
     keys = list(results["inflight"][0])
     print(f"\nmedians over {args.rounds} rounds per mode; {args.batch} x {args.tokens} tokens per batch, "
           f"{args.layers} layers x {args.hidden}, a version every {args.publish_every:g} s, {args.threads} thread(s)\n")
-    print("| | between_requests | inflight | ratio |\n|---|---:|---:|---:|")
+    print("| | between_requests | inflight | inflight_recompute | inflight / between | recompute / between |\n"
+          "|---|---:|---:|---:|---:|---:|")
     for k in keys:
-        a = statistics.median(x[k] for x in results["between_requests"])
-        b = statistics.median(x[k] for x in results["inflight"])
-        print(f"| {k} | {a:.3g} | {b:.3g} | {(b / a if a else float('nan')):.2f}x |")
-
+        a, b, c = (statistics.median(x[k] for x in results[m]) for m in modes)
+        rb, rc = (f"{v / a:.2f}x" if a else "-" for v in (b, c))
+        print(f"| {k} | {a:.3g} | {b:.3g} | {c:.3g} | {rb} | {rc} |")
 
 if __name__ == "__main__":
     main()
