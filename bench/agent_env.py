@@ -2,6 +2,7 @@
 
     python bench/agent_env.py                  # ~20 min on 2 CPU cores: warm start (~12 min, cached after the first run) + 300 s
     python bench/agent_env.py --seconds 60 --heldout 32
+    python bench/agent_env.py --report bench/results/agent_env/runs/<run>   # table and curve of a finished run
 
 The task is `astratk.envs.price_lookup`: each question asks for the price of an item that only a `lookup` tool knows
 (every question has its own random prices), so a right answer takes two calls: the tool call, then the number from the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -53,18 +55,30 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "agent_env")
+    ap.add_argument("--report", type=Path, default=None, metavar="RUN_DIR",
+                    help="run nothing: print and draw a finished run's metrics.nc (RUN_DIR/metrics.nc)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    import astratk
-
     t0 = time.time()
-    result = astratk.Run(spec(args)).start()
-    ds = result.metrics()
-    acc = ds["eval_accuracy"].sel(policy="main").dropna("evaluation")
-    times = ds["eval_train_time_s"].sel(policy="main").dropna("evaluation") if "eval_train_time_s" in ds else None
-    curve = [{"train_time_s": float(t) if times is not None else None, "accuracy": float(a)}
-             for t, a in zip(times.values if times is not None else [None] * acc.size, acc.values)]
+    if args.report is not None:
+        import xarray as xr
+
+        if not (args.report / "metrics.nc").is_file():
+            sys.exit(f"--report: no metrics.nc in {args.report} (give the directory a run wrote)")
+        ds, run_dir = xr.open_dataset(args.report / "metrics.nc"), args.report
+    else:
+        import astratk
+
+        result = astratk.Run(spec(args)).start()
+        ds, run_dir = result.metrics(), result.run_dir
+    ev = ds[["eval_accuracy", "eval_version", "eval_train_time_s"]].sel(policy="main")
+    curve, seen = [], set()
+    for a, v, t in zip(ev["eval_accuracy"].values, ev["eval_version"].values, ev["eval_train_time_s"].values):
+        if math.isnan(a) or v in seen:  # not evaluated, or the final version evaluated again at the end
+            continue
+        seen.add(v)
+        curve.append({"version": int(v), "train_time_s": 0.0 if math.isnan(t) else float(t), "accuracy": float(a)})
     metrics = {}
     for name in AGENT_METRICS:
         key = f"data_traj_policy_{name}_mean"
@@ -72,11 +86,11 @@ def main() -> None:
             metrics[name] = float(ds[key].sel(policy="main"))
     steps = int(ds["step"].size) if "step" in ds.dims else None
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve, "agent": metrics, "steps": steps,
-           "wall_s": time.time() - t0, "run_dir": str(result.run_dir)}
+           "wall_s": None if args.report else time.time() - t0, "run_dir": str(run_dir)}
     (args.out / "agent_env.json").write_text(json.dumps(out, indent=1))
-    print("\nheld-out accuracy (train time s: accuracy):")
+    print("\nheld-out accuracy (version, train time s: accuracy):")
     for point in curve:
-        print(f"  {point['train_time_s']:>7.1f}: {100 * point['accuracy']:.1f}%")
+        print(f"  v{point['version']:<4} {point['train_time_s']:>7.1f}: {100 * point['accuracy']:.1f}%")
     print(f"optimizer steps: {steps}")
     print("per episode: " + ", ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
     try:
