@@ -20,15 +20,18 @@ What it returns goes to `reward`, called with the keyword arguments it names amo
 agent's return value), `calls` (the episode's captured calls per role) and `role`, which returns a float (every role
 gets it), a dict role -> float, or None (not scorable: dropped, counted).
 
-Bounded: an agent that raises or runs past `agent_timeout_s` ends its episode; the trajectory keeps what it generated
+Each episode's agent runs on a thread of its own (an async agent on that thread's own event loop), so an agent that
+blocks, sleeps or exits cannot stall the worker or the other episodes.
+Bounded: an agent that raises (`sys.exit()` included) or runs past `agent_timeout_s` ends its episode (a TimeoutError
+the agent raises itself is an error, not a timeout); the trajectory keeps what it generated
 and gets `error_reward` (default 0.0: a policy whose output breaks the agent learns not to; None drops it, counted),
 with `agent_error` or `agent_timeout` set in its metrics. A reward that raises or runs past `reward_timeout_s` leaves
 the episode unscored (`reward_error`, `reward_timeout`). An episode in which the agent made no call for a role yields
 that role's opening prompt with no completion and no reward, so the data layer counts it as dropped.
 
 Per-trajectory metrics (in `metrics.nc` as `data/<policy>/traj/<role>/<name>_mean`): `calls`, `tool_calls`,
-`tool_call_errors` (malformed calls), `tokens_per_call`, `endpoint_latency_s`, `policy_tokens`, `env_tokens`, `reused_turns` (prompts that reused an earlier
-turn's tokens), `segments_dropped`, `tokens_dropped`, `agent_seconds`, `agent_error`, `agent_timeout`, `reward_error`,
+`tool_call_errors` (malformed calls), `tokens_per_call`, `endpoint_latency_s`, `policy_tokens`, `env_tokens`,
+`reused_turns` (prompts that reused an earlier turn's tokens), `segments_dropped`, `tokens_dropped`, `agent_seconds`, `agent_error`, `agent_timeout`, `reward_error`,
 `reward_timeout`, `temperature_overridden` (calls that asked for another temperature than the run's: the run's wins,
 so the log-probs the trainer sees are those of the distribution it assumes).
 
@@ -94,28 +97,44 @@ def _select(f: Callable[..., Any], offered: Mapping[str, Any], allowed: Sequence
     return {k: v for k, v in offered.items() if k in params}
 
 
+class Overran(Exception):
+    """A user's agent or reward ran past its time bound (not a TimeoutError the callable raised itself)."""
+
+
+class Exited(Exception):
+    """A user's agent or reward raised SystemExit (or another BaseException that is not an error of the run)."""
+
+
 async def _call_bounded(f: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float | None) -> Any:
-    """`f(**kwargs)`, awaited if async, else on a daemon thread of its own (the event loop keeps serving the engine,
-    and a group's episodes all run at once, so their calls share the engine's batches), at most `timeout_s` seconds
-    (asyncio.TimeoutError). A sync call past its time is abandoned, not killed (counted in `abandoned_threads`): its
-    later requests to its closed session are refused, so it ends at its next call."""
-    if inspect.iscoroutinefunction(f) or (not inspect.isroutine(f) and inspect.iscoroutinefunction(type(f).__call__)):
-        return await asyncio.wait_for(f(**kwargs), timeout_s)
+    """`f(**kwargs)` on a daemon thread of its own, an async `f` on that thread's own event loop, at most `timeout_s`
+    seconds (`Overran`). The episode's event loop keeps serving the engine whatever the agent does (an async agent
+    that blocks, sleeps or swallows cancellation cannot stall it), and a group's episodes all run at once, so their
+    calls share the engine's batches. A call past its time is abandoned, not killed (counted in
+    `abandoned_threads`): its later requests to its closed session are refused, so it ends at its next call.
+    `SystemExit` and other non-error exits of `f` come back as `Exited`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def target() -> None:
         try:
             out = f(**kwargs)
-            future.set_result(asyncio.run(out) if inspect.isawaitable(out) else out)
-        except BaseException as e:  # noqa: BLE001 - handed to the episode
+            future.set_result(asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out)
+        except Exception as e:  # noqa: BLE001 - handed to the episode
             future.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 - sys.exit() in user code ends its episode, not the worker
+            future.set_exception(Exited(f"{type(e).__name__}: {e}"))
 
     threading.Thread(target=target, name="astratk-agent", daemon=True).start()
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
     except asyncio.TimeoutError:
-        _abandon()
-        raise
+        if not future.done():
+            _abandon()
+            raise Overran(f"{_qualified(f)} ran past {timeout_s:g} s") from None
+        return future.result()  # finished at the deadline: its own result or error
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 class AgentEnv(DatasetEnv):
@@ -235,7 +254,7 @@ class AgentEnv(DatasetEnv):
         try:
             output = await _call_bounded(self._agent, _select(self._agent, offered, ARGS_AGENT, "agent"),
                                          self.agent_timeout_s)
-        except asyncio.TimeoutError:
+        except Overran:
             status["agent_timeout"], failed = 1.0, True
         except Exception:  # noqa: BLE001 - an agent that raises ends its episode, counted
             status["agent_error"], failed = 1.0, True
@@ -265,7 +284,7 @@ class AgentEnv(DatasetEnv):
         try:
             value = await _call_bounded(self._reward, _select(self._reward, offered, ARGS_REWARD, "reward"),
                                         self.reward_timeout_s)
-        except asyncio.TimeoutError:
+        except Overran:
             status["reward_timeout"] = 1.0
             return dict.fromkeys(self.roles, None)
         except Exception:  # noqa: BLE001 - an unscorable episode is dropped, counted
@@ -316,6 +335,9 @@ def trajectory_from_calls(calls: Sequence[Any], tokenizer: Any, *, task: Task, g
     prompts continue the previous prompt + completion token for token. A call that breaks the chain starts a new
     segment; the last segment is the trajectory and earlier ones are counted as dropped. With several choices per
     call (`n` > 1), the one the next call continues is kept (the first, for the last call)."""
+    if not calls:
+        raise ValueError(f"task {task.task_id!r}, role {role!r}: no captured calls to build a trajectory from (an "
+                         "episode without calls has no completion to train on)")
     segments: list[dict[str, Any]] = []
     picks: list[int] = []
     for k, call in enumerate(calls):
@@ -369,9 +391,10 @@ def trajectory_from_calls(calls: Sequence[Any], tokenizer: Any, *, task: Task, g
              "reused_turns": float(sum(call.extends is not None for call in calls)),
              "segments_dropped": float(len(dropped)),
              "tokens_dropped": float(sum(s["policy_tokens"] for s in dropped))}
-    has_topk = any(last["topk_ids"])
-    topk = {"behavior_topk_ids": tuple(map(tuple, last["topk_ids"])),
-            "behavior_topk_logprobs": tuple(map(tuple, last["topk_logprobs"]))} if has_topk else {}
+    widths = {len(row) for row, m in zip(last["topk_ids"], last["mask"]) if m}
+    k = min(widths) if widths else 0  # calls that recorded different widths: the width every generated token has
+    topk = {"behavior_topk_ids": tuple(tuple(row[:k]) for row in last["topk_ids"]),
+            "behavior_topk_logprobs": tuple(tuple(row[:k]) for row in last["topk_logprobs"])} if k else {}
     return Trajectory(task_id=task.task_id, group_id=group_id, policy_id=policy_id, role=role,
                       tokens=tuple(last["tokens"]), n_prompt=last["n_prompt"], loss_mask=tuple(last["mask"]),
                       behavior_logprobs=tuple(last["logprobs"]), behavior_versions=tuple(last["versions"]),

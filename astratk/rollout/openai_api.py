@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import math
 import threading
@@ -50,6 +51,8 @@ from astratk.models.chat import stop_token_ids
 MAX_N = 128
 MAX_STOP = 4
 DEFAULT_SESSION = "default"
+MAX_TURNS = 4096  # reusable turns remembered per session (the oldest go first)
+INT64 = 1 << 63
 
 
 class RequestError(Exception):
@@ -112,6 +115,8 @@ class Session:
     calls: list[CapturedCall] = field(default_factory=list)
     turns: dict[Any, _Turn] = field(default_factory=dict)
     overridden: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    opened: bool = False  # by `open_session` (a training episode): its calls record exactly `top_k_logprobs`
+    issued: int = 0  # calls issued so far (the k-th call's seed), counted before they generate
 
 
 @dataclass
@@ -123,6 +128,7 @@ class _Parsed:
     top_logprobs: int
     parse_tools: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    given: frozenset[str] = frozenset()  # the sampling fields the request set itself (temperature, max_tokens)
 
 
 def _number(body: dict[str, Any], key: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
@@ -136,6 +142,19 @@ def _number(body: dict[str, Any], key: str, default: Any, lo: float, hi: float, 
     return value
 
 
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's `tool_calls`: a list of {"id": str, "type": "function", "function": {"name": str,
+    "arguments": str or object}}, as OpenAI's API takes them."""
+    if not isinstance(calls, list):
+        raise RequestError(400, f"{where}.tool_calls must be a list of tool calls", param=where)
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(f, dict) or not isinstance(f.get("name"), str)
+                or not isinstance(c.get("id", ""), str) or not isinstance(f.get("arguments", ""), (str, dict))):
+            raise RequestError(400, f"{where}.tool_calls[{j}] must be an object with a string 'id' and a 'function' "
+                               "object with a string 'name' and 'arguments' (a JSON string or an object)", param=where)
+
+
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list of messages", param="messages")
@@ -143,11 +162,17 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(400, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+        if m.get("tool_calls") is not None:
+            _check_tool_calls(m["tool_calls"], f"messages[{i}]")
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise RequestError(400, f"messages[{i}].{key} must be a string", param=f"messages[{i}]")
         content = m.get("content")
         if isinstance(content, list):  # content parts: the text ones, joined
-            texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content):
-                raise RequestError(400, f"messages[{i}].content: only text parts are supported", param=f"messages[{i}]")
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise RequestError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": "
+                                   "<string>}) are supported", param=f"messages[{i}]")
             m = {**m, "content": "".join(texts)}
         elif content is None and not m.get("tool_calls"):
             raise RequestError(400, f"messages[{i}] has no 'content'", param=f"messages[{i}]")
@@ -162,13 +187,18 @@ def parse_request(body: Any, default_max_tokens: int) -> _Parsed:
     """The chat-completions body as sampling parameters; a RequestError for anything malformed."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    try:
+        json.dumps(body).encode("utf-8")  # lone surrogates ("\\ud800") cannot be tokenised
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"the request holds text that is not valid Unicode: {e}") from None
     messages = _check_messages(body.get("messages"))
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise RequestError(400, "'tools' must be a list of tool objects", param="tools")
     n = _number(body, "n", 1, 1, MAX_N, integer=True)
     temperature = float(_number(body, "temperature", 1.0, 0.0, 2.0))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens")
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     max_tokens = default_max_tokens if max_tokens is None else _number(
         {"max_tokens": max_tokens}, "max_tokens", None, 1, 1 << 20, integer=True)
     stop = body.get("stop")
@@ -177,9 +207,10 @@ def parse_request(body: Any, default_max_tokens: int) -> _Parsed:
         raise RequestError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings",
                            param="stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
-    logprobs = body.get("logprobs", False)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -INT64 <= seed < INT64):
+        raise RequestError(400, f"'seed' must be a 64-bit integer, got {seed!r}", param="seed")
+    logprobs = body.get("logprobs")
+    logprobs = False if logprobs is None else logprobs
     if not isinstance(logprobs, bool):
         raise RequestError(400, "'logprobs' must be true or false", param="logprobs")
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
@@ -190,14 +221,17 @@ def parse_request(body: Any, default_max_tokens: int) -> _Parsed:
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, top_k_logprobs=top,
                             stop=tuple(stops), n=n)
     parse_tools = bool(tools) and body.get("tool_choice") != "none"
-    return _Parsed(messages, tools or None, params, logprobs, top, parse_tools)
+    given = frozenset(k for k, present in (("temperature", body.get("temperature") is not None),
+                                           ("max_tokens", body.get("max_tokens") is not None
+                                            or body.get("max_completion_tokens") is not None)) if present)
+    return _Parsed(messages, tools or None, params, logprobs, top, parse_tools, given=given)
 
 
 def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content before the first call or None, OpenAI tool_calls) of a generation with Hermes/Qwen-style calls."""
     from astratk.models.chat import _TOOL_CALL, parse_tool_call
 
-    calls = []
+    calls, kept, end = [], [], 0
     for match in _TOOL_CALL.finditer(text):
         call = parse_tool_call(match.group(1))
         if call.error:
@@ -205,10 +239,12 @@ def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         args = call.arguments if isinstance(call.arguments, str) else json.dumps(call.arguments)
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": call.name, "arguments": args}})
+        kept.append(text[end:match.start()])
+        end = match.end()
     if not calls:
         return text, []
-    head = text[:text.index("<tool_call>")].strip()
-    return (head or None), calls
+    content = "".join([*kept, text[end:]]).strip()  # the text around the parsed calls (malformed ones included)
+    return (content or None), calls
 
 
 def _choice(tok: Any, index: int, c: Completion, parsed: _Parsed) -> dict[str, Any]:
@@ -278,6 +314,16 @@ def _for_template(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "tool_calls": fixed}
 
 
+def _top_k(c: Completion, k: int) -> Completion:
+    """`c` with exactly `k` alternatives per token recorded (none for k = 0), whatever width the request asked for."""
+    if not c.topk_ids or all(len(row) == k for row in c.topk_ids):
+        return c
+    if k == 0:
+        return dataclasses.replace(c, topk_ids=(), topk_logprobs=())
+    return dataclasses.replace(c, topk_ids=tuple(r[:k] for r in c.topk_ids),
+                               topk_logprobs=tuple(r[:k] for r in c.topk_logprobs))
+
+
 def _produced_close(tok: Any, c: Completion) -> str:
     """The end-of-turn token a completion ended with ("" when it was cut off or stopped by a stop string)."""
     if c.finish_reason != "stop" or not c.token_ids:
@@ -300,7 +346,7 @@ class OpenAIEndpoint:
 
     def __init__(self, engine: Any = None, model: str = "astratk", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_model_len: int | None = None, default_max_tokens: int = 256,
-                 keep_calls: int = 100_000) -> None:
+                 keep_calls: int = 100_000, max_sessions: int = 10_000) -> None:
         self.engine = engine
         self.model = model
         self.host, self.port = host, port
@@ -308,6 +354,7 @@ class OpenAIEndpoint:
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.keep_calls = keep_calls
+        self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._closed: set[str] = set()
         self._lock = threading.Lock()
@@ -339,8 +386,10 @@ class OpenAIEndpoint:
                      max_context: int | None = None, top_k_logprobs: int = 0) -> str:
         """Serve `session` with `engine` (default: the endpoint's) on `loop`; returns its base URL. `temperature`
         overrides what requests ask for (counted in `session_stats`), `seed` seeds the k-th call with seed + 7919·k
-        when a request sends none, `max_tokens` caps each call's new tokens, `max_context` its prompt + completion;
-        `top_k_logprobs` are recorded for every token whatever a request asks (a loss that needs them)."""
+        when a request sends none (the k-th call issued, concurrent ones included), `max_tokens` caps each call's new
+        tokens and is the budget of a call that sends none, `max_context` caps its prompt + completion;
+        `top_k_logprobs` are recorded for every token whatever a request asks (exactly that many: a trajectory's
+        rows must agree)."""
         url = self.session_url(session)
         if engine is None and self.engine is None:
             raise ValueError(f"session {session!r}: give an engine (this endpoint has none of its own)")
@@ -349,7 +398,7 @@ class OpenAIEndpoint:
                 raise ValueError(f"session {session!r} is already open")
             self._closed.discard(session)
             self._sessions[session] = Session(engine, loop, temperature, seed, max_tokens, max_context,
-                                              top_k_logprobs)
+                                              top_k_logprobs, opened=True)
         return url
 
     def close_session(self, session: str) -> list[CapturedCall]:
@@ -388,6 +437,9 @@ class OpenAIEndpoint:
             if self.engine is None:
                 raise RequestError(404, f"no session {session!r}: this endpoint serves opened sessions only",
                                    code="session_not_found")
+            if len(self._sessions) >= self.max_sessions:  # each session path a client invents holds memory
+                raise RequestError(429, f"too many open sessions ({len(self._sessions)}); end some (close_session) "
+                                   "or raise max_sessions", code="too_many_sessions", kind="rate_limit_error")
             sess = self._sessions[session] = Session()
             return sess
 
@@ -461,7 +513,10 @@ class OpenAIEndpoint:
         return web.json_response(e.body(), status=e.status)
 
     def _authorised(self, request: Any) -> bool:
-        return self.api_key is None or request.headers.get("Authorization", "") == f"Bearer {self.api_key}"
+        if self.api_key is None:
+            return True
+        sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(sent, f"Bearer {self.api_key}".encode())
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
@@ -480,8 +535,10 @@ class OpenAIEndpoint:
                                             code="invalid_api_key"))
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return self._error(RequestError(400, f"the request body is not JSON: {e}"))
+        except web.HTTPRequestEntityTooLarge as e:
+            return self._error(RequestError(413, f"the request body is too large: {e.text}"))
+        except (ValueError, LookupError, RecursionError) as e:  # not JSON, a bad charset, nesting too deep
+            return self._error(RequestError(400, f"the request body is not JSON: {type(e).__name__}: {e}"))
         session = request.match_info.get("session") or request.headers.get("X-Session-Id") or DEFAULT_SESSION
         try:
             if isinstance(body, dict) and body.get("model") not in (None, self.model):
@@ -525,8 +582,8 @@ class OpenAIEndpoint:
                 text = self._chat_turns(tok).continuation_of(
                     [{"role": m["role"], "content": m.get("content") or ""} for m in rest],
                     _produced_close(tok, turn.completion))
-            except ValueError:  # a template without fixed turn separators: render the whole conversation
-                return self._render(tok, parsed), None
+            except Exception:  # noqa: BLE001 - no fixed turn separators, or a template that refuses the roles: the
+                return self._render(tok, parsed), None  # whole conversation rendered (a 400 if it cannot be)
             ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
             return turn.prompt + tuple(turn.completion.token_ids) + ids, turn
         return self._render(tok, parsed), None
@@ -539,11 +596,15 @@ class OpenAIEndpoint:
         self.stats["reused_turns" if extended is not None else "rendered_prompts"] += 1
         params = parsed.params
         if sess.temperature is not None and params.temperature != sess.temperature:
-            sess.overridden["temperature"] += 1
+            if "temperature" in parsed.given:  # a request that sent none takes the run's without an override
+                sess.overridden["temperature"] += 1
             params = dataclasses.replace(params, temperature=sess.temperature)
+        k, sess.issued = sess.issued, sess.issued + 1  # counted before generating: concurrent calls differ
         if params.seed is None and sess.seed is not None:
-            params = dataclasses.replace(params, seed=sess.seed + 7919 * len(sess.calls))
-        if sess.max_tokens is not None and params.max_tokens > sess.max_tokens:
+            params = dataclasses.replace(params, seed=sess.seed + 7919 * k)
+        if sess.max_tokens is not None and "max_tokens" not in parsed.given:
+            params = dataclasses.replace(params, max_tokens=sess.max_tokens)  # the run's budget, not the default
+        elif sess.max_tokens is not None and params.max_tokens > sess.max_tokens:
             sess.overridden["max_tokens"] += 1
             params = dataclasses.replace(params, max_tokens=sess.max_tokens)
         if sess.top_k_logprobs > params.top_k_logprobs:
@@ -569,14 +630,18 @@ class OpenAIEndpoint:
         else:
             completions = tuple(await work)
         call_id = f"chatcmpl-{uuid.uuid4().hex}"
-        call = CapturedCall(session, call_id, parsed.messages, parsed.tools, prompt, completions, started,
+        captured = completions if not sess.opened else tuple(  # a training episode records exactly its K per token
+            _top_k(c, sess.top_k_logprobs) for c in completions)
+        call = CapturedCall(session, call_id, parsed.messages, parsed.tools, prompt, captured, started,
                             time.time() - started, extended.call_id if extended is not None else None,
                             extended.choice if extended is not None else 0)
         self._record(sess, call)
         choices = [_choice(tok, i, c, parsed) for i, c in enumerate(completions)]
         history = [_normalise(m) for m in parsed.messages]
-        for i, (choice, c) in enumerate(zip(choices, completions)):
+        for i, (choice, c) in enumerate(zip(choices, captured)):
             sess.turns[_turn_key(choice["message"])] = _Turn(call_id, i, history, tools, prompt, c)
+        while len(sess.turns) > MAX_TURNS:
+            del sess.turns[next(iter(sess.turns))]
         used = sum(len(c.token_ids) for c in completions)
         self.stats["completion_tokens"] += used
         self.stats["prompt_tokens"] += len(prompt)

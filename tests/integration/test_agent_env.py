@@ -161,10 +161,31 @@ def test_agents_and_rewards_that_fail_end_their_episode_counted():
             await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         await asyncio.sleep(30)
 
+    async def blocks_async(task, base_url, api_key):  # the sync client and a blocking sleep inside async code
+        openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0).chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}])
+        time.sleep(30)  # noqa: ASYNC251 - the bug under test
+
+    def exits(task, base_url, api_key, model):
+        raises_after_a_call = raises  # the same call, then sys.exit
+        try:
+            raises_after_a_call(task, base_url, api_key, model)
+        except RuntimeError:
+            raise SystemExit(3) from None
+
+    def own_timeout(task, base_url, api_key, model):
+        try:
+            raises(task, base_url, api_key, model)
+        except RuntimeError:
+            raise TimeoutError("the agent's own tool timed out") from None
+
     cases = [(AgentEnv(ROWS, raises, price_lookup.reward, heldout=2), "agent_error", 0.0),
              (AgentEnv(ROWS, raises, price_lookup.reward, heldout=2, error_reward=None), "agent_error", None),
              (AgentEnv(ROWS, hangs, price_lookup.reward, heldout=2, agent_timeout_s=0.5), "agent_timeout", 0.0),
              (AgentEnv(ROWS, hangs_async, price_lookup.reward, heldout=2, agent_timeout_s=0.5), "agent_timeout", 0.0),
+             (AgentEnv(ROWS, blocks_async, price_lookup.reward, heldout=2, agent_timeout_s=0.5), "agent_timeout", 0.0),
+             (AgentEnv(ROWS, exits, price_lookup.reward, heldout=2), "agent_error", 0.0),
+             (AgentEnv(ROWS, own_timeout, price_lookup.reward, heldout=2, agent_timeout_s=5), "agent_error", 0.0),
              (AgentEnv(ROWS, price_lookup.agent, lambda output: 1 / 0, heldout=2), "reward_error", None),
              (AgentEnv(ROWS, price_lookup.agent, lambda output: "yes", heldout=2), "reward_error", None),
              (AgentEnv(ROWS, price_lookup.agent, lambda output: time.sleep(30), heldout=2, reward_timeout_s=0.5),
@@ -174,6 +195,8 @@ def test_agents_and_rewards_that_fail_end_their_episode_counted():
         task, [traj] = rollout(env, {"policy": engine})
         assert time.perf_counter() - t0 < 10, reason  # a hung agent or reward is abandoned at its bound
         assert traj.metrics[reason] == 1.0, (reason, traj.metrics)
+        other = {"agent_error": "agent_timeout", "agent_timeout": "agent_error"}.get(reason)
+        assert other is None or traj.metrics[other] == 0.0, (reason, traj.metrics)  # told apart
         assert env.score(task, [traj]) == [reward], reason
     # an agent that never called the model: the opening prompt, nothing to train, no reward (the data layer counts it)
     env = AgentEnv(ROWS, lambda task: "42", price_lookup.reward, heldout=2)
@@ -245,6 +268,16 @@ def test_with_several_choices_the_one_the_agent_went_on_with_is_kept():
     assert traj.tokens == (1, 2, 20, 21, 7, 7, 30) and traj.loss_mask == (1, 1, 0, 0, 1)
     assert traj.behavior_versions == (3, 3, -1, -1, 4) and traj.metrics["segments_dropped"] == 0
     assert traj.metrics["endpoint_latency_s"] == pytest.approx(0.015)
+    with pytest.raises(ValueError, match="no captured calls"):
+        trajectory_from_calls([], TOK, task=Task("t", "agent", "q"), group_id="g", policy_id="p", role="policy")
+    # calls that recorded different top-k widths: the trajectory keeps the width every generated token has
+    wide = Completion((10, 11), (-0.5, -0.5), (3, 3), "stop", ((1, 2, 3), (1, 2, 3)), ((-1.0,) * 3, (-1.0,) * 3))
+    narrow = Completion((30,), (-0.5,), (4,), "stop", ((5, 6),), ((-1.0, -2.0),))
+    first = CapturedCall("s", "c1", [], None, (1, 2), (wide,), 0.0, 0.01)
+    second = CapturedCall("s", "c2", [], None, (1, 2, 10, 11, 7), (narrow,), 1.0, 0.02, "c1", 0)
+    traj = trajectory_from_calls([first, second], TOK, task=Task("t", "agent", "q"), group_id="g", policy_id="p",
+                                 role="policy")
+    assert [len(row) for row in traj.behavior_topk_ids] == [2, 2, 0, 2]
 
 
 def test_the_warm_start_checks_an_agent_turn_by_turn():

@@ -1,0 +1,202 @@
+"""The OpenAI-compatible endpoint against hostile and unusual clients: every malformed request gets an OpenAI-style
+JSON error with a 4xx status (never a 500, never a dead server), and a session's sampling rules hold for concurrent
+calls, calls that leave fields out, and calls that ask for other top-log-prob widths than the run records.
+A scripted engine stands behind the endpoint (no model), requests go over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from astratk.contracts import Completion
+from astratk.engines.scripted import ScriptedEngine
+from astratk.models.chat import stop_token_ids
+from astratk.models.tokenizer import build_char_tokenizer
+from astratk.rollout.openai_api import OpenAIEndpoint
+
+pytest.importorskip("aiohttp")
+
+TOK = build_char_tokenizer()
+END = stop_token_ids(TOK)[0]
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}/chat/completions", data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    engine = ScriptedEngine(TOK, lambda prompt, params: TOK("ok", add_special_tokens=False)["input_ids"] + [END])
+    with OpenAIEndpoint(engine, model="m", default_max_tokens=8, max_sessions=50) as ep:
+        yield ep
+
+
+HOSTILE = {
+    "content part whose text is not a string": {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                           "text": 5}]}]},
+    "an image part": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    "tool_calls not a list": {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": 5}]},
+    "tool call id not a string": {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": ["a"], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+    "tool call without a function": {"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+    "tool_call_id not a string": {"messages": [*ASK, {"role": "tool", "content": "x", "tool_call_id": 3}]},
+    "a lone surrogate": {"messages": [{"role": "user", "content": "\ud800"}]},
+    "messages not a list": {"messages": "hi"},
+    "a message without a role": {"messages": [{"content": "hi"}]},
+    "content a number": {"messages": [{"role": "user", "content": 3}]},
+    "the body a list": [1, 2],
+    "n zero": {"messages": ASK, "n": 0},
+    "n huge": {"messages": ASK, "n": 10**9},
+    "temperature NaN-like string": {"messages": ASK, "temperature": "hot"},
+    "temperature negative": {"messages": ASK, "temperature": -1},
+    "max_tokens a bool": {"messages": ASK, "max_tokens": True},
+    "max_tokens zero": {"messages": ASK, "max_tokens": 0},
+    "stop a number": {"messages": ASK, "stop": 3},
+    "too many stops": {"messages": ASK, "stop": ["a", "b", "c", "d", "e"]},
+    "seed beyond 64 bits": {"messages": ASK, "seed": 1 << 70},
+    "seed a float": {"messages": ASK, "seed": 1.5},
+    "logprobs a string": {"messages": ASK, "logprobs": "yes"},
+    "top_logprobs without logprobs": {"messages": ASK, "top_logprobs": 3},
+    "top_logprobs out of range": {"messages": ASK, "logprobs": True, "top_logprobs": 99},
+    "tools not a list": {"messages": ASK, "tools": {"a": 1}},
+    "streaming": {"messages": ASK, "stream": True},
+}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE))
+def test_malformed_requests_get_a_4xx_openai_error(endpoint, what):
+    body = HOSTILE[what]
+    data = json.dumps(body, ensure_ascii=what != "a lone surrogate").encode("utf-8", "surrogatepass")
+    status, reply = post(endpoint.base_url, data)
+    assert 400 <= status < 500, (status, reply)
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["message"]
+    assert post(endpoint.base_url, {"messages": ASK})[0] == 200  # the server still answers
+
+
+@pytest.mark.parametrize(("data", "headers"), [
+    (b"{not json", {}),
+    (b"[" * 200_000, {}),  # nested past the JSON parser's recursion limit
+    (b'{"messages": []}', {"Content-Type": "application/json; charset=bogus"}),
+    (b"\xff\xfe", {}),
+])
+def test_bodies_that_are_not_json_get_a_400(endpoint, data, headers):
+    status, reply = post(endpoint.base_url, data, headers)
+    assert status == 400 and "not JSON" in reply["error"]["message"]
+
+
+def test_a_body_over_the_size_cap_gets_a_json_413():
+    engine = ScriptedEngine(TOK, lambda prompt, params: [END])
+    with OpenAIEndpoint(engine, model="m") as ep:
+        status, reply = post(ep.base_url, b'{"messages": "' + b"x" * (65 << 20) + b'"}')
+    assert status == 413 and reply["error"]["message"]
+
+
+def test_null_optional_fields_are_the_defaults(endpoint):
+    status, reply = post(endpoint.base_url, {"messages": ASK, "logprobs": None, "max_completion_tokens": None,
+                                             "max_tokens": 2, "temperature": None, "seed": None, "stop": None})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_the_api_key_is_checked_on_completions_too():
+    engine = ScriptedEngine(TOK, lambda prompt, params: [END])
+    with OpenAIEndpoint(engine, model="m", api_key="s3cret") as ep:
+        assert post(ep.base_url, {"messages": ASK})[0] == 401
+        assert post(ep.base_url, {"messages": ASK}, {"Authorization": "Bearer wrong"})[0] == 401
+        assert post(ep.base_url, {"messages": ASK}, {"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_invented_session_paths_are_bounded_and_ended_sessions_refused(endpoint):
+    for i in range(60):
+        status, reply = post(endpoint.session_url(f"made-up-{i}"), {"messages": ASK})
+        if status != 200:
+            break
+    assert status == 429 and reply["error"]["code"] == "too_many_sessions"
+    for i in range(60):
+        endpoint.close_session(f"made-up-{i}")
+    assert post(endpoint.session_url("made-up-1"), {"messages": ASK})[0] == 404  # ended: refused, not reopened
+    assert post(endpoint.session_url("fresh"), {"messages": ASK})[0] == 200
+
+
+class GatedEngine:
+    """Holds every call until `width` calls wait, then answers them all: calls that are truly concurrent."""
+
+    def __init__(self, width: int) -> None:
+        self.inner = ScriptedEngine(TOK, lambda prompt, params: [END])
+        self.width, self.waiting, self.event = width, 0, None
+
+    @property
+    def tokenizer(self):
+        return TOK
+
+    @property
+    def version(self):
+        return 0
+
+    async def generate(self, requests):
+        self.event = self.event or asyncio.Event()
+        self.waiting += 1
+        if self.waiting >= self.width:
+            self.event.set()
+        await asyncio.wait_for(self.event.wait(), 20)
+        return await self.inner.generate(requests)
+
+
+def test_concurrent_calls_of_a_session_get_different_seeds():
+    engine = GatedEngine(3)
+    with OpenAIEndpoint(model="m") as ep:
+        url = ep.open_session("episode", engine, seed=11)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            statuses = list(pool.map(lambda _: post(url, {"messages": ASK})[0], range(3)))
+        assert statuses == [200] * 3
+        assert sorted(r.params.seed for r in engine.inner.requests) == [11, 11 + 7919, 11 + 2 * 7919]
+
+
+def test_a_call_that_sends_no_budget_or_temperature_takes_the_runs_without_an_override():
+    engine = ScriptedEngine(TOK, lambda prompt, params: [7] * 1000)
+    with OpenAIEndpoint(model="m", default_max_tokens=4) as ep:
+        url = ep.open_session("episode", engine, temperature=0.7, max_tokens=40)
+        assert post(url, {"messages": ASK})[1]["usage"]["completion_tokens"] == 40  # the run's budget, not 4
+        assert ep.session_stats("episode") == {}
+        post(url, {"messages": ASK, "temperature": 1.0, "max_tokens": 100})
+        assert ep.session_stats("episode") == {"temperature": 1, "max_tokens": 1}
+        assert [r.params.temperature for r in engine.requests] == [0.7, 0.7]
+
+
+class TopKEngine(ScriptedEngine):
+    """Scripted, with the requested number of alternatives per token."""
+
+    async def generate(self, requests):
+        out = await super().generate(requests)
+        return [Completion(c.token_ids, c.logprobs, c.versions, c.finish_reason,
+                           topk_ids=tuple(tuple(range(r.params.top_k_logprobs)) for _ in c.token_ids),
+                           topk_logprobs=tuple((-1.0,) * r.params.top_k_logprobs for _ in c.token_ids))
+                for r, c in zip(requests, out)]
+
+
+@pytest.mark.parametrize("run_k", [0, 2])
+def test_a_training_session_records_exactly_the_runs_top_k(run_k):
+    engine = TopKEngine(TOK, lambda prompt, params: [7, 8, END])
+    with OpenAIEndpoint(model="m") as ep:
+        url = ep.open_session("episode", engine, top_k_logprobs=run_k)
+        for asked in (5, 1, 0):
+            body = {"messages": ASK, **({"logprobs": True, "top_logprobs": asked} if asked else {})}
+            status, reply = post(url, body)
+            assert status == 200
+            if asked:  # the client gets what it asked for ...
+                assert len(reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == asked
+        calls = ep.close_session("episode")
+    for call in calls:  # ... the trajectory records the run's width, whatever each call asked
+        assert {len(row) for row in call.completions[0].topk_ids} <= {run_k}
