@@ -21,6 +21,7 @@ that dataclass's `validate`; a rule that involves another field or module goes t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -427,8 +428,9 @@ class RolloutSpec:
                                                                      "astratk.engines.torch_engine.TorchEngine"):
             raise ValueError(f"{key}.weight_updates: {self.weight_updates} needs engine torch (it switches weights "
                              f"between decode steps); engine {self.engine!r} takes new weights between requests only")
-        if self.weight_poll_s is not None and not self.weight_poll_s > 0:
-            raise ValueError(f"{key}.weight_poll_s must be > 0 seconds or null, got {self.weight_poll_s}")
+        if self.weight_poll_s is not None and not 0 < self.weight_poll_s < math.inf:
+            raise ValueError(f"{key}.weight_poll_s must be a finite number of seconds > 0, or null (weights load when "
+                             f"a chunk starts only), got {self.weight_poll_s}")
 
     @property
     def poll_s(self) -> float | None:

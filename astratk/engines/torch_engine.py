@@ -257,6 +257,8 @@ class TorchEngine:
         self._generator = torch.Generator().manual_seed(seed)
         self._weights_lock = threading.Lock()  # held by a running batch and by load_weights
         self._loads_waiting = 0  # the worker lets a waiting load go before its next batch
+        self._loads_done = 0  # loads finished (or failed): the worker lets go the ones waiting when it yields, no more
+        self._broken: RuntimeError | None = None  # a full load that failed after writing part of the weights
         self._cond = threading.Condition()  # guards the queue, `closed` and `loads_waiting`
         self._pending: collections.deque[tuple[_Call, int]] = collections.deque()  # (call, request index)
         self._closed, self._worker = False, None
@@ -313,7 +315,11 @@ class TorchEngine:
     def _fits(self, rows: int, prompt_width: int, new_tokens: int) -> bool:
         """Whether a batch of `rows` rows, prompts padded to `prompt_width`, up to `new_tokens` new tokens, stays
         within the memory budget (no budget: always)."""
-        return self._memory is None or self._memory.rows(prompt_width, new_tokens) >= rows
+        if self._memory is None:
+            return True
+        if self.weight_updates == "inflight_recompute":  # a recompute prefills prompt + tokens so far at once
+            prompt_width += new_tokens
+        return self._memory.rows(prompt_width, new_tokens) >= rows
 
     def submit(self, requests: Sequence[GenerationRequest], adapter: str | None = None) -> concurrent.futures.Future:
         """Queue requests from any thread; the future resolves to their completions, in order (n per request).
@@ -332,6 +338,8 @@ class TorchEngine:
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
+            if self._broken is not None:
+                raise RuntimeError(str(self._broken)) from self._broken.__cause__
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="TorchEngine-batcher", daemon=True)
                 self._worker.start()
@@ -360,8 +368,19 @@ class TorchEngine:
             with self._weights_lock, torch.no_grad():
                 current = self._version if slot is None else slot.version
                 if not isinstance(state, SparseDelta):
-                    for name, tensor in state.items():
-                        params[name].copy_(tensor)
+                    written = 0
+                    try:
+                        for name, tensor in state.items():
+                            params[name].copy_(tensor)
+                            written += 1
+                    except Exception as e:
+                        if written:  # neither version now: refuse work until the service rebuilds the engine
+                            self._broken = RuntimeError(
+                                f"TorchEngine is broken: the load of version {version} failed after writing {written} "
+                                f"of {len(state)} tensors ({type(e).__name__}: {e}); its weights are neither version "
+                                f"{current} nor {version}. The rollout service rebuilds it at its next sync")
+                            self._broken.__cause__ = e
+                        raise
                 elif state.base_version != current:  # checked under the lock: a load in between moves it
                     raise ValueError(f"load_weights: the engine is at version {current} and the delta needs "
                                      f"base version {state.base_version}; fetch a full state instead")
@@ -374,6 +393,21 @@ class TorchEngine:
         finally:
             with self._cond:
                 self._loads_waiting -= 1
+                self._loads_done += 1
+
+    @property
+    def broken(self) -> RuntimeError | None:
+        """Why the engine refuses work (a full load failed half-way: its weights are neither version), or None. The
+        rollout service replaces a broken engine at its next sync."""
+        return self._broken
+
+    def _let_loads_go(self) -> None:
+        """Wait until the loads waiting now have run (not the ones that arrive meanwhile: a stream of loads cannot
+        starve generation)."""
+        with self._cond:
+            target = self._loads_done + self._loads_waiting
+        while self._loads_waiting and self._loads_done < target:
+            time.sleep(1e-4)
 
     # ------------------------------------------------------------------------------------------------ adapters
     def add_adapter(self, name: str, lora: Any, state: Mapping[str, torch.Tensor], version: int) -> Any:
@@ -540,8 +574,7 @@ class TorchEngine:
             if others:  # back to the front, in their order
                 others.extend(self._pending)
                 self._pending = others
-        while self._loads_waiting:  # let a waiting load_weights take the lock first
-            time.sleep(1e-4)
+        self._let_loads_go()  # a waiting load_weights takes the lock first
         return items
 
     # ------------------------------------------------------------------------------------------------ decoding
@@ -571,11 +604,11 @@ class TorchEngine:
             return None
         self._weights_lock.release()
         try:
-            while self._loads_waiting:  # each waiting load takes the lock in turn
-                time.sleep(1e-4)
+            self._let_loads_go()  # each waiting load takes the lock in turn
         finally:
             self._weights_lock.acquire()
-        self._stats["inflight_loads"] += 1
+        if self._broken is not None:  # the batch must not go on with half-written weights
+            raise self._broken
         if adapter is not None:
             self._active = object()  # a load may have re-activated nothing; make the next line re-apply it
             return self._activate(adapter)
@@ -649,8 +682,9 @@ class TorchEngine:
                 rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive = (
                     x[keep] for x in (rows, temps, seeds, budgets, stops, wants_text, next_pos, mask, tok, alive))
             if (inflight and (not recompute or time.perf_counter() - decoding_since >= recompute_cost)
-                    and (loaded := self._yield_to_loads(adapter)) is not None):
+                    and (loaded := self._yield_to_loads(adapter)) is not None and loaded != version):
                 version = loaded  # the next tokens come from the new weights
+                self._stats["inflight_loads"] += 1
                 if recompute:  # as if aborted and resubmitted with its prefix:
                     started = time.perf_counter()
                     seq = torch.cat([ids[rows], out_tokens[rows, :step + 1]], dim=1)  # [R, P + step + 1]

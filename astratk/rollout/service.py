@@ -149,13 +149,15 @@ class RolloutService:
         """Move the engine to `version` (default: the newest published); returns the engine's version after.
 
         The store sends what is cheapest from the engine's version (`WeightStore.pull`): a sparse delta from it, or a
-        full state. An engine never moves back on its own: only an explicit `version` (evaluation) loads an older
-        one, in full. A delta the engine refuses (a bf16 delta for an fp32 engine, a VLLMEngine without host
+        full state. A rollout engine never moves back (an older `version`, e.g. a lagged one computed before another
+        chunk's sync moved the engine on, leaves it where it is; in-flight mode would otherwise record a newer
+        version then an older one within a sample); an evaluation engine loads the `version` asked, in full. A delta the engine refuses (a bf16 delta for an fp32 engine, a VLLMEngine without host
         weights) is replaced by the full state, with a warning naming the fix."""
         with self._lock:
             engine = self.engine(policy_id, purpose, rebuild_broken=True)
-            if version is not None and version == engine.version:
-                return version
+            if version is not None and (version == engine.version or (purpose == "rollout"
+                                                                       and version < engine.version)):
+                return engine.version
             try:
                 payload, ref = self.store.pull(policy_id, engine.version, version)
             except KeyError:
@@ -387,6 +389,8 @@ class WeightWatcher:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             for pid in self.policies:
+                if self._stop.is_set():  # the chunk is over: the next one syncs for itself
+                    return
                 try:
                     before = self.service.engine(pid).version
                     after = self.service.sync(pid, version=self.service._lagged_version(pid))

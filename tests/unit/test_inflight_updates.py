@@ -190,3 +190,71 @@ def test_recompute_cannot_stall_decoding_when_versions_arrive_at_every_step():
     runs = [sum(1 for _ in group) for _, group in itertools.groupby(versions)]
     assert len(versions) == N and min(runs[1:-1]) >= 2, runs  # the first load comes before any recompute cost
     assert 1 <= engine.stats["inflight_loads"] <= N // 2 and engine.stats["recompute_s"] > 0
+
+
+def test_a_load_that_fails_half_way_breaks_the_engine_until_rebuilt():
+    model = tiny_model(0)
+    engine = TorchEngine.from_model(model, version=0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    names = list(state)
+    state[names[3]] = torch.empty(state[names[3]].shape, device="meta")  # names and shapes pass; the copy fails
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for the copy
+        engine.load_weights(state, 1)
+    assert engine.version == 0 and "neither version 0 nor 1" in str(engine.broken) and "3 of" in str(engine.broken)
+    with pytest.raises(RuntimeError, match="broken"):
+        engine.submit([GenerationRequest(PROMPT, SamplingParams(max_tokens=2, seed=0))])
+    engine.close()
+    fresh = TorchEngine.from_model(tiny_model(0), version=0)  # a load that fails before writing leaves it usable
+    with pytest.raises(Exception):  # noqa: B017
+        fresh.load_weights({names[0]: torch.empty(state[names[0]].shape, device="meta")}, 1)
+    assert fresh.broken is None and fresh.version == 0
+    fresh.close()
+
+
+def test_a_stream_of_loads_cannot_starve_generation():
+    """A thread loading weights back to back: each batch lets the loads waiting when it starts go, not later ones."""
+    model = tiny_model(0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for mode in ("between_requests", "inflight", "inflight_recompute"):
+        engine = TorchEngine.from_model(tiny_model(0), version=0, weight_updates=mode)
+        stop = threading.Event()
+
+        def hammer(engine=engine, stop=stop):
+            v = 0
+            while not stop.is_set():
+                v += 1
+                engine.load_weights(state, v)
+
+        loader = threading.Thread(target=hammer, daemon=True)
+        loader.start()
+        try:
+            [c] = engine.submit([GenerationRequest(PROMPT, SamplingParams(max_tokens=N, seed=1))]).result(20)
+        finally:
+            stop.set()
+            loader.join(10)
+        assert len(c.token_ids) == N, mode
+        engine.close()
+
+
+def test_a_load_that_changes_nothing_for_the_batch_is_not_a_switch():
+    """A load of the version the batch already runs (e.g. another adapter's, or a repeated version): no recompute."""
+    model = tiny_model(0)
+    state = model.state_dict()
+    engine = TorchEngine.from_model(model, version=0, weight_updates="inflight_recompute")
+    loaders: list[threading.Thread] = []
+
+    def hook(module, args, kwargs):
+        if len(loaders) < 5 and not (loaders and loaders[-1].is_alive()):
+            loaders.append(threading.Thread(target=engine.load_weights, args=(state, 0)))
+            loaders[-1].start()
+            deadline = time.monotonic() + 10
+            while not engine._loads_waiting and time.monotonic() < deadline:
+                time.sleep(1e-3)
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    [c] = engine.submit([GenerationRequest(PROMPT, SamplingParams(max_tokens=N, seed=1))]).result(60)
+    handle.remove()
+    for t in loaders:
+        t.join(10)
+    assert set(c.versions) == {0} and engine.stats["inflight_loads"] == 0 and engine.stats["recompute_s"] == 0
+    engine.close()

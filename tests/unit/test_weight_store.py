@@ -399,6 +399,8 @@ def test_service_sync_moves_a_torch_engine_through_deltas_bit_for_bit(tiny_model
     if not mismatch:
         assert service.store.stats["pulled_delta"] == 5 and service.store.stats["pulled_full"] == 0
     assert service.sync("main") == 5  # nothing new
+    # a lagged version computed before another sync moved the rollout engine on: a rollout engine never moves back
+    assert service.sync("main", version=3) == 5 and engine.version == 5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the mismatched case warns again for the eval engine
         assert service.sync("main", "eval", version=2) == 2  # evaluation: its own engine, at an older version
