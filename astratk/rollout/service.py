@@ -133,8 +133,10 @@ class RolloutService:
             r = self.spec.rollout
             ranks = [p.model.lora.r for p in self.spec.policies
                      if p.model.lora is not None and self.ctx.model_paths[p.policy_id] == path]
+            # The rollout's settings whichever purpose builds it first: a switch happens only when a batch's own
+            # adapter gets a new version, and an evaluation's adapter is loaded between evaluations, never during one.
             base = self._bases[path] = build_engine(
-                r.engine, path, run_settings={**self._engine_settings(purpose), "max_lora_rank": max(ranks),
+                r.engine, path, run_settings={**self._engine_settings("rollout"), "max_lora_rank": max(ranks),
                                               "max_loras": 2 * len(ranks)}, **r.engine_args)
         try:
             state, ref = self.store.pull(policy_id, None, None)  # the newest adapter, in full
