@@ -26,7 +26,7 @@ def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def test_quick_grid_then_one_cell_then_resume(tmp_path):
     out = tmp_path / "results"
-    bench("--quick", "--out", str(out), cwd=tmp_path)
+    bench("--quick", "--smoke", "--out", str(out), cwd=tmp_path)  # --smoke: a 30-step warm start, small batches
     payload = json.loads((out / "stability.json").read_text())
     cells = {(c["loss"], c["regime"]): c for c in payload["cells"]}
     assert sorted(cells) == [("drpo_d0.2", "stale16"), ("drpo_d0.2", "sync"), ("pg_is", "stale16"),
@@ -52,7 +52,7 @@ def test_quick_grid_then_one_cell_then_resume(tmp_path):
         assert (out / name).stat().st_size > 0, name
 
     # one cell again (the tutorial's "rerun one cell"): replaced in the grid, not duplicated
-    proc = bench("--cell", "pg_is:sync:0", "--steps", "3", "--eval-every", "3", "--heldout", "32", "--out", str(out),
+    proc = bench("--cell", "pg_is:sync:0", "--smoke", "--steps", "3", "--eval-every", "3", "--heldout", "32", "--out", str(out),
                  cwd=tmp_path)
     lines = [json.loads(x) for x in (out / "cells.jsonl").read_text().splitlines()]
     assert len(lines) == 5 and lines[-1]["loss"] == "pg_is" and lines[-1]["steps"] == 3
@@ -62,7 +62,7 @@ def test_quick_grid_then_one_cell_then_resume(tmp_path):
     assert "1 cells to run" in proc.stdout
 
     # --resume: nothing left to run; --report: the table and figures of what is there, running nothing
-    proc = bench("--quick", "--resume", "--out", str(out), cwd=tmp_path)
+    proc = bench("--quick", "--smoke", "--resume", "--out", str(out), cwd=tmp_path)
     assert "4 cells in" in proc.stdout and "0 of the grid not run yet" in proc.stdout  # the rerun cell counted once
     (out / "heatmap.png").unlink()
     proc = bench("--quick", "--report", "--out", str(out), cwd=tmp_path)

@@ -129,7 +129,8 @@ def test_spo_is_drpo_with_eps_times_mu_and_unbounded_for_rare_tokens():
     # mu 1e-4 -> pi 1e-2 (r = 100, A > 0): SPO's w = 1 - 99 / 12.5 = -6.92, coefficient r w = -692; DRPO's stays ~1
     lp, lm, a = torch.tensor([[math.log(1e-2)]], dtype=DT), torch.tensor([[math.log(1e-4)]], dtype=DT), torch.ones(1, 1)
     assert _grad(SPO(), lp, lm, a.to(DT))[0].item() == pytest.approx(692.0)
-    assert _grad(DRPO(), lp, lm, a.to(DT))[0].item() == pytest.approx(-100 * (1 - 0.0099 / 12.5))
+    assert _grad(DRPO(delta=12.5), lp, lm, a.to(DT))[0].item() == pytest.approx(-100 * (1 - 0.0099 / 12.5))
+    assert DRPO().delta == 1.0  # astratk's default (its stability grid), not the paper's 12.5
 
 
 # ------------------------------------------------------------------------------------------------------------- SAPO
