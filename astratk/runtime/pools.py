@@ -35,6 +35,7 @@ Extending: another hardware class is another `WorkerClass`; nothing branches on 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import os
@@ -125,8 +126,30 @@ def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool) -> d
 
 
 _env_lock = threading.Lock()
-_env_starts = 0  # nanny starts in flight in this process
+_env_starts = 0  # nanny starts in flight in this process that have not spawned their worker yet
 _env_saved: dict[str, str | None] = {}  # the process's own values of the keys they overwrote
+
+
+def _env_enter(keys: Sequence[str]) -> None:
+    global _env_starts
+    with _env_lock:
+        _env_starts += 1
+        for key in keys:
+            _env_saved.setdefault(key, os.environ.get(key))
+
+
+def _env_leave() -> None:
+    """One start has spawned its process (or failed to): the last one in flight restores the saved values."""
+    global _env_starts
+    with _env_lock:
+        _env_starts -= 1
+        if _env_starts == 0:
+            for key, value in _env_saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            _env_saved.clear()
 
 
 class EnvNanny(Nanny):
@@ -134,28 +157,36 @@ class EnvNanny(Nanny):
     (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_, PYTHONHASHSEED, ...) into `os.environ` before it
     spawns a worker and never restores it, so everything the user's process starts afterwards (a second training
     process, a baseline in a subprocess) would run on one OpenMP thread: measured here as 0.22 against 0.44
-    optimizer steps/s for a torch training subprocess set to 2 threads. The values are restored when the last start
-    in flight has spawned its worker (a spawn reads the environment in an executor thread, so one start's restore
-    must not land while another start is still spawning)."""
+    optimizer steps/s for a torch training subprocess set to 2 threads.
+
+    The values are restored as soon as the worker's process exists (its pid is known: the spawn has copied the
+    environment), not when the worker has connected seconds later, so the window in which a subprocess of the user's
+    could inherit them is the spawn itself. A spawn reads the environment in a thread, so one start's restore waits
+    for every other start still spawning. Nanny restarts of a killed worker go through here too."""
 
     async def instantiate(self) -> Any:
-        global _env_starts
-        with _env_lock:
-            _env_starts += 1
-            for key in self.pre_spawn_env:
-                _env_saved.setdefault(key, os.environ.get(key))
+        _env_enter(list(self.pre_spawn_env))
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                _env_leave()
+
+        async def leave_once_spawned() -> None:
+            while True:  # WorkerProcess.process is the AsyncProcess; its pid is set right after the spawn
+                proc = getattr(self.process, "process", None)
+                if proc is not None and proc.pid is not None:
+                    return leave()
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(leave_once_spawned())
         try:
             return await super().instantiate()
         finally:
-            with _env_lock:
-                _env_starts -= 1
-                if _env_starts == 0:
-                    for key, value in _env_saved.items():
-                        if value is None:
-                            os.environ.pop(key, None)
-                        else:
-                            os.environ[key] = value
-                    _env_saved.clear()
+            watcher.cancel()
+            leave()
 
 
 def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, Any]]:

@@ -60,3 +60,41 @@ def test_workers_get_thread_counts_and_the_parent_keeps_its_environment(monkeypa
     finally:
         cluster.close()
     assert _thread_env() == before
+
+
+def test_parent_environment_is_back_while_the_worker_is_still_starting(monkeypatch):
+    """The restore happens once the worker's process exists, not once it has connected: a worker whose start takes
+    seconds (here a preload that sleeps 4 s) leaves no window of that length in which the user's subprocesses would
+    inherit the nanny's values (a CI run saw the old, connect-time restore lose this race)."""
+    import asyncio
+
+    import dask
+    from distributed import Client, Scheduler
+
+    from astratk.runtime.pools import EnvNanny
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    async def main() -> tuple[str | None, str | None, bool]:
+        async with Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler:
+            with dask.config.set({"distributed.nanny.pre-spawn-environ": {"OMP_NUM_THREADS": "3"}}):
+                nanny = EnvNanny(scheduler.address, host="127.0.0.1", nthreads=1, dashboard=False,
+                                 preload=["import time; time.sleep(4)"])
+            start = asyncio.ensure_future(nanny.start())
+            deadline = time.monotonic() + 60
+            while getattr(getattr(nanny, "process", None), "pid", None) is None:
+                assert time.monotonic() < deadline, "timed out after 60 s waiting for the worker's process to spawn"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # spawned, still sleeping in its preload: not connected yet
+            during, connected = os.environ.get("OMP_NUM_THREADS"), bool(scheduler.workers)
+            await asyncio.wait_for(start, 60)
+            async with Client(scheduler.address, asynchronous=True) as client:
+                seen = await asyncio.wait_for(client.run(lambda: os.environ.get("OMP_NUM_THREADS")), 30)
+            await nanny.close()
+            return during, next(iter(seen.values())), connected
+
+    during, in_worker, connected = asyncio.run(main())
+    assert not connected
+    assert during is None  # the parent got its value back while the worker was still starting
+    assert in_worker == "3", in_worker  # ... and the worker got the nanny's value
+
