@@ -202,15 +202,17 @@ class HeldOut:
         return accuracy
 
 
-def marks_for(seconds: float, every: float) -> list[float]:
-    """Training times at which both sides keep their weights: every `every` s, and `seconds` itself."""
-    marks = [every * k for k in range(1, int(seconds / every + 1e-9) + 1)]
+def marks_for(seconds: float, every: float, fine_until: float = 0.0, fine_every: float = 1.0) -> list[float]:
+    """Training times at which both sides keep their weights: every `fine_every` s up to `fine_until` (where the
+    early targets are crossed, a few seconds in on the quickstart model), every `every` s after, and `seconds`."""
+    fine = [float(round(fine_every * k, 6)) for k in range(1, int(min(fine_until, seconds) / fine_every + 1e-9) + 1)]
+    coarse = [float(every * k) for k in range(1, int(seconds / every + 1e-9) + 1)]
+    marks = sorted({*fine, *(m for m in coarse if not fine or m > fine[-1] + 1e-9)})
     if not marks or marks[-1] < seconds - 1e-9:
         marks.append(float(seconds))
     return marks
 
 
-# ---------------------------------------------------------------------------------------------- the astratk side
 class StoreFollower:
     """Follows a live run's weight store from this process's main thread (the run trains in its background thread):
     the version published at or before each mark of training time, pulled once the next version shows it is the
@@ -657,6 +659,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep-seeds", type=int, default=1, help="seeds per lr in the sweep (the first of --seeds)")
     ap.add_argument("--sides", default="astratk,trl", help="comma-separated: astratk, trl")
     ap.add_argument("--eval-every", type=float, default=5.0, help="seconds of training time between snapshots")
+    ap.add_argument("--eval-fine", default="0:1", metavar="UNTIL:EVERY",
+                    help="denser snapshots at the start: every EVERY s up to UNTIL s of training (30:1), then "
+                         "every --eval-every s")
     ap.add_argument("--heldout", type=int, default=512, help="held-out tasks each snapshot is evaluated on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_trl")
     ap.add_argument("--quick", action="store_true", help="smoke: a few seconds per run, 64 held-out, 1 seed, 1 lr")
@@ -678,6 +683,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.seconds, args.eval_every, args.heldout, args.seeds, args.sweep_seeds = 6.0, 2.0, 64, 1, 1
         args.lrs = "1e-4" if args.lrs == ap.get_default("lrs") else args.lrs.split(",")[0]
+    try:
+        until, every = (float(x) for x in str(args.eval_fine).split(":"))
+    except ValueError:
+        ap.error(f"--eval-fine: UNTIL:EVERY in seconds, e.g. 30:1; got {args.eval_fine!r}")
+    if until < 0 or every <= 0:
+        ap.error(f"--eval-fine: UNTIL >= 0 and EVERY > 0; got {args.eval_fine!r}")
+    args.fine_until, args.fine_every = until, every
     args.lr_list = [float(x) for x in str(args.lrs).split(",") if x.strip()]
     args.side_list = [s.strip() for s in args.sides.split(",") if s.strip()]
     bad = [s for s in args.side_list if s not in SIDES]
@@ -727,7 +739,7 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"+{round(100 * g)} points = {100 * (initial + g):.1f}%" for g in GAINS))
         env_file = tmp / "env.pkl"
         env_file.write_bytes(pickle.dumps(env))
-        marks = marks_for(args.seconds, args.eval_every)
+        marks = marks_for(args.seconds, args.eval_every, args.fine_until, args.fine_every)
 
         runs: list[dict[str, Any]] = []
 

@@ -47,3 +47,20 @@ def test_the_quick_run_measures_both_sides(tmp_path):
     assert runs["trl"]["config"]["loss_type"] == "dr_grpo" and runs["trl"]["config"]["generation_batch_size"] == 128
     assert "| optimizer steps/s |" in payload["table"]
     assert (out / "quickstart.png").stat().st_size > 0 and (out / "quickstart.html").stat().st_size > 0
+
+
+def test_snapshot_marks_are_dense_at_the_start_when_asked():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from vs_trl import marks_for, parse_args
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert marks_for(20, 5) == [5.0, 10.0, 15.0, 20.0]
+    assert marks_for(12, 5) == [5.0, 10.0, 12.0]  # the end of training is always a mark
+    assert marks_for(20, 5, 3, 1) == [1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 20.0]
+    assert marks_for(4, 5, 30, 1.5) == [1.5, 3.0, 4.0]  # the fine span is cut at the run's end
+    args = parse_args(["--eval-fine", "30:1"])
+    assert (args.fine_until, args.fine_every) == (30.0, 1.0)
+    for bad in ("30", "a:b", "10:0"):
+        with pytest.raises(SystemExit):
+            parse_args(["--eval-fine", bad])
