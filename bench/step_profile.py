@@ -2,6 +2,7 @@
 
     python bench/step_profile.py                       # quickstart config, 30 steps per measurement, 1 torch thread
     python bench/step_profile.py --steps 50 --threads 2
+    python bench/step_profile.py --model large         # bench/vs_trl.py's 6.4M model (built and cached by it)
 
 One step's batch of real rollouts is made up front by the real path (rollout service, data layer, collate: as
 `bench/pipeline.py`'s trainer-alone figure), then, on that batch:
@@ -21,7 +22,9 @@ Prints a table (ms per step, share of the whole Lightning step). Figures go to B
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import json
 import statistics
 import time
 import warnings
@@ -167,6 +170,8 @@ def profile(spec: Any, model_path: str, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tutorials/quickstart.yaml")
+    ap.add_argument("--model", choices=("config", "large"), default="config",
+                    help="config: the config's model; large: bench/vs_trl.py's --model large on the config's task")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a run's trainer uses cluster.torch_threads)")
     args = ap.parse_args()
@@ -174,7 +179,16 @@ def main() -> None:
     from astratk.config import load_spec
     from astratk.models import ensure_model
 
-    spec = load_spec(args.config, [])
+    overrides: list[str] = []
+    if args.model == "large":  # the same spec changes as bench/vs_trl.py --model large, so the same cached model
+        from vs_trl import LARGE_LEVELS, LARGE_MODEL
+
+        overrides = ["--env.init_args.levels", json.dumps(LARGE_LEVELS)]
+    spec = load_spec(args.config, overrides)
+    if args.model == "large":
+        p = spec.policies[0]
+        p.model.tiny = dataclasses.replace(p.model.tiny, **LARGE_MODEL)
+        spec = spec.validate()
     path = str(ensure_model(spec.policies[0].model, spec.env, log=lambda s: None))
     r = profile(spec, path, args.steps)
     whole = r["whole step in Lightning"]
