@@ -7,6 +7,7 @@ problems the starting model solves in k samples bounds what a short run can reac
 
     python bench/pass_at_k.py --model large              # bench/vs_trl.py's 6.4M model (cached by it)
     python bench/pass_at_k.py --model quickstart --samples 64
+    python bench/pass_at_k.py --model large --astratk-set policies.0.model.tiny.warm_start_target=0.15
 
 Prints greedy accuracy and the unbiased pass@k estimate (1 - C(n-c, k) / C(n, k), from n samples per problem with c
 right) for k = 1, 8, and n, over the env's first `--heldout` held-out problems.
@@ -15,11 +16,11 @@ right) for k = 1, 8, and n, over the env's first `--heldout` held-out problems.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,24 +44,26 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument("--astratk-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="the same spec overrides as bench/vs_trl.py's, so the same cached model "
+                         "(policies.0.model.tiny.warm_start_target=0.15)")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    from astratk.config import load_spec
     from astratk.models.cache import ensure_model
     from astratk.models.chat import encode_chat, stop_token_ids
     from astratk.models.loading import load_causal_lm, load_tokenizer
     from astratk.models.warm_start import heldout_accuracy
-    from vs_trl import CONFIG, LARGE_LEVELS, LARGE_MODEL
+    import vs_trl
 
-    overrides = ["--env.init_args.levels", json.dumps(LARGE_LEVELS)] if args.model == "large" else []
-    spec = load_spec(CONFIG, overrides)
+    # vs_trl's own spec for --model and --astratk-set: the model directory both of its sides start from
+    bench_args = vs_trl.parse_args(["--model", args.model, *itertools.chain(*(["--astratk-set", kv]
+                                                                            for kv in args.astratk_set))])
+    with tempfile.TemporaryDirectory(prefix="pass-at-k-") as tmp:
+        spec = vs_trl.astratk_spec(bench_args, Path(tmp))
     p = spec.policies[0]
-    if args.model == "large":
-        p.model.tiny = dataclasses.replace(p.model.tiny, **LARGE_MODEL)
-    spec = spec.validate()
     model_dir = ensure_model(p.model, spec.env, log=lambda s: print(f"  {s}"))
     model, tok, env = load_causal_lm(str(model_dir)), load_tokenizer(model_dir), spec.env
     greedy, _, _ = heldout_accuracy(model, tok, env, max_tasks=args.heldout)

@@ -13,8 +13,12 @@ examples are unseen; free, from the training forward pass) reaches `spec.warm_st
 Measured with the defaults (target 30%, cap 1000): seed 0 stops at 515 steps with 35.9% held-out (58 s on one busy
 thread), seed 1 at 761 steps with 31.8% (89 s), seed 2 runs to the cap with 26.6% (122 s).
 
-Deterministic: training runs on one torch thread (a different thread count changes float reduction order) with a
-seeded RNG, and the data order is the env's seeded train stream, so one spec gives bit-identical weights.
+Deterministic on one machine: training runs on one torch thread (a different thread count changes float reduction
+order) with a seeded RNG, and the data order is the env's seeded train stream, so one spec gives bit-identical weights
+there. Not across machines: another CPU's kernels round differently, and as the jump is chaotic the same spec can land
+elsewhere (measured: a 6.4M-parameter spec jumped to 30.9% held-out at step 1,145 on one 2-core VM, and ran its
+1,500-step cap at 4.9% on another of the same kind). When the cap ends a warm start short of its target, the log
+says so and what to change.
 
 Extending: an env takes part by implementing `demonstration(task)`, `messages(task)` and `grade(task, text)`; a
 workflow with several roles overrides `demonstrations(task)` to teach every role's format (held-out accuracy is the
@@ -222,4 +226,15 @@ def warm_start(model, tok, env: Env, spec: TinyModelSpec, log: Callable[[str], N
     report = WarmStartReport(steps, accuracy, n, done, loss, time.perf_counter() - t0)
     log(f"warm start: held-out greedy accuracy {accuracy:.1%} over {n} tasks ({done:.0%} well-formed), "
         f"{report.seconds:.1f} s")
+    if spec.warm_start_target is not None and steps >= spec.warm_start_steps:
+        log(short_of_target(spec, accuracy))
     return report
+
+
+def short_of_target(spec: TinyModelSpec, accuracy: float) -> str:
+    """What to do when the step cap, not the target, ended the warm start (the skill's jump never came)."""
+    return (f"warm start: WARNING: {spec.warm_start_steps} steps ran without reaching train exact-match "
+            f"{spec.warm_start_target:.0%} (held-out {accuracy:.1%}); RL from this model sees little reward. Where "
+            f"the jump comes depends on the seed and on the machine's float arithmetic, so try another "
+            f"model.tiny.seed (now {spec.seed}) or a larger model.tiny.warm_start_steps (the cache keeps this one "
+            f"under its own key)")

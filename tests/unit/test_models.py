@@ -183,6 +183,20 @@ def test_warm_start_stops_once_train_exact_match_reaches_the_target():
     assert ws.warm_start(build_tiny_model(never, tok), tok, env, never, log=lines.append).steps == 5
 
 
+def test_a_warm_start_ended_by_its_cap_short_of_the_target_says_what_to_change():
+    tok, env = build_char_tokenizer(), ArithmeticEnv(n_heldout=8)
+    unreachable = TinyModelSpec(**{**vars(TINY), "warm_start_target": 1.0})  # 5 steps never reach 100%
+    lines: list[str] = []
+    assert ws.warm_start(build_tiny_model(unreachable, tok), tok, env, unreachable, log=lines.append).steps == 5
+    warning = [line for line in lines if "WARNING" in line]
+    assert len(warning) == 1 and "model.tiny.seed (now 3)" in warning[0] and "warm_start_steps" in warning[0]
+    for quiet in (TinyModelSpec(**{**vars(TINY), "warm_start_target": None}),  # no target: the cap is the plan
+                  TinyModelSpec(**{**vars(TINY), "warm_start_steps": ws.STOP_WINDOW + 10, "warm_start_target": 0.0})):
+        lines.clear()
+        ws.warm_start(build_tiny_model(quiet, tok), tok, env, quiet, log=lines.append)
+        assert not [line for line in lines if "WARNING" in line]
+
+
 def test_encode_chat_renders_each_conversation_once_per_tokenizer_and_template():
     """A group's samples share their messages: the template is rendered once, copies are handed out, and a changed
     template or another tokenizer renders again."""
