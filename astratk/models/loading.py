@@ -8,6 +8,7 @@ out of meta tensor; no data!" (seen here). Every astratk load goes through `load
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 
@@ -33,7 +35,9 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: str | 
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, KeyError) as e:
             raise RuntimeError(f"cannot load the model in {path!r}: {e}") from e
-    return model.to(device)
+    from astratk.cpu import use_linear_backend
+
+    return use_linear_backend(model.to(device))  # CPU Linear layers through oneDNN where it is faster
 
 
 # --------------------------------------------------------------------------------------------------- tokenizers
@@ -79,6 +83,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
                       stacklevel=2)
         _fallbacks[path] = f"{type(tok).__name__}: {why}"
         tok = fallback
+    else:  # the common case says nothing, except to a logger asked for detail
+        log.debug("the tokenizer in %r round-trips a rendered chat prompt as %s", path, type(tok).__name__)
     _checked[path] = True
     return tok
 

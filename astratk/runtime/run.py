@@ -175,13 +175,37 @@ class Run:
             if m.path is None:
                 out[p.policy_id] = {"path": None, "directory": None, "repo_id": None, "revision": None}
                 continue
-            resolved = resolve(m.path, m.revision, key=f"policies[{i}].model.path")
+            if m.is_gguf:  # dequantized (once per file content) before the run writes anything
+                out[p.policy_id] = self._resolve_gguf(m, f"policies[{i}].model")
+                continue
+            from astratk.models.pypi import is_pypi_path, resolve_pypi
+
+            local = (str(resolve_pypi(m.path, key=f"policies[{i}].model.path", cache_dir=m.cache_dir))
+                     if is_pypi_path(m.path) else m.path)
+            resolved = resolve(local, m.revision, key=f"policies[{i}].model.path")
             if is_hub_id(m.path):
                 self.print(f"model for {p.policy_id!r}: Hub {m.path}@{resolved.revision} -> {resolved.directory}")
                 m.revision = resolved.revision
                 _check_lora(m, f"policies[{i}].model", resolved.directory)
             out[p.policy_id] = resolved.as_record()
         return out
+
+    def _resolve_gguf(self, m: Any, key: str) -> dict[str, Any]:
+        from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
+
+        file = resolve_gguf_file(m.path, m.gguf_file, m.revision, key=key, cache_dir=m.cache_dir)
+        directory = gguf_directory(file, key=f"{key}.path", cache_dir=m.cache_dir, log=self.print)
+        _check_lora(m, key, directory)
+        return {"path": m.path, "directory": str(directory), "repo_id": None, "revision": m.revision,
+                "gguf_file": str(file), "sha256": file_sha256(file)}
+
+    def probe(self, n_tasks: int = 32, eval_tasks: int | None = None) -> Any:
+        """Before starting: will this run's rollouts carry learning signal? `n_tasks` train tasks rolled out as the
+        run would (group size, temperature, token budget, engine) in this process, and greedy held-out accuracy;
+        returns a `ProbeReport` (printable; shown in a notebook) with what to change (`astratk.runtime.probe`)."""
+        from astratk.runtime.probe import probe
+
+        return probe(self.spec, n_tasks, printer=self.print, eval_tasks=eval_tasks)
 
     def serve(self, name: str) -> RunResult:
         """`astratk deploy`: serve the run's deployment under `name` for trainer jobs that attach to it (blocking;
@@ -250,6 +274,11 @@ class Run:
         t0 = getattr(session.evaluator, "train_t0", None)
         if t0:
             out["train_time_s"] = time.time() - t0
+        monitor = getattr(session, "starvation", None)
+        if monitor is not None and monitor.warnings:  # the newest, while it is fresh (one wait's warning)
+            newest = monitor.warnings[-1]
+            if time.time() - newest["time"] < 2 * monitor.repeat_s:
+                out["starving"] = newest["line"]
         evals = [r for r in session.evaluator.records if r.get("accuracy") == r.get("accuracy")]
         if evals:
             out["accuracy"] = evals[-1]["accuracy"]
@@ -283,7 +312,9 @@ class Run:
     def _report(self, s: dict[str, Any], files: dict[str, Path]) -> None:
         p = self.print
         p("")
-        start = f"resumed, v{s.get('start_version', 0)}" if s.get("resumed_from") else "warm start, v0"
+        tiny = all(p.model.path is None for p in self.spec.policies)
+        start = (f"resumed, v{s.get('start_version', 0)}" if s.get("resumed_from") else
+                 "warm start, v0" if tiny else "start, v0")
         p(f"held-out accuracy: {s['accuracy_before']:.3f} ({start}) -> {s['accuracy_after']:.3f} "
           f"(v{s['final_version']}), gain {100 * s['accuracy_gain']:+.1f} points; best {s['accuracy_best']:.3f}")
         t = s.get("time_to_target_s")

