@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from astratk.cpu import run_threads
+
 
 def trainer_alone(spec, model_path: str, steps: int) -> float:
     """Optimiser steps/s on one step's batch of real rollouts made up front by the real path (rollout service,
@@ -65,7 +67,7 @@ def main() -> None:
 
     spec = load_spec(args.config, ["--eval.interval_s", "1000", "--eval.max_tasks", "64"])
     spec.policies[0].trainer.max_time_s = args.seconds
-    torch.set_num_threads(spec.cluster.torch_threads)
+    torch.set_num_threads(run_threads(spec).trainer)
     model_path = str(ensure_model(spec.policies[0].model, spec.env))
     alone = trainer_alone(spec, model_path, args.steps)
     result = Run(spec, printer=lambda s: None).start()
@@ -77,7 +79,7 @@ def main() -> None:
     dropped = float(ds["dropped"].sum()) if "dropped" in ds else 0.0
     whole = s["steps"] / s["wall_time_s"]
     compute = float(ds["train_step_compute_s"].mean())
-    print(f"config {args.config}; torch threads per process {spec.cluster.torch_threads}; "
+    print(f"config {args.config}; torch threads per process {run_threads(spec).trainer}; "
           f"{spec.policies[0].trainer.groups_per_step} groups x {spec.rollout.group_size} samples per step")
     print(f"{'measure':<44}{'value':>12}")
     print(f"{'trainer alone, steps/s':<44}{alone:>12.2f}")

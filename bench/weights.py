@@ -27,6 +27,7 @@ import zlib
 import numpy as np
 import torch
 
+from astratk.cpu import run_threads
 from astratk.weights import SimulatedLink, SparseDelta, WeightStore, delta_to_bytes, make_delta
 
 
@@ -85,7 +86,7 @@ def delta_sizes(config: str, model: str | None, lrs: list[float]) -> None:
     from astratk.models import ensure_model
 
     spec = load_spec(config)
-    torch.set_num_threads(spec.cluster.torch_threads)
+    torch.set_num_threads(run_threads(spec).trainer)
     model_path = model or str(ensure_model(spec.policies[0].model, spec.env))
     batch = rl_batch(spec, model_path)
     print(f"\n1. delta after one optimiser step: {model_path}; batch of {len(batch)} sequences "

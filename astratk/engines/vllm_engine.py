@@ -71,6 +71,17 @@ from astratk.models.loading import load_tokenizer, tokenizer_fallback, tokenizer
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The CPU KV cache's default ceiling. Why: max_batch x max_model_len positions is what a full batch of the longest
+# sequences needs, but real models declare long contexts (SmolLM2: 8192 positions, 46 KB per position in fp32: 22.5
+# GiB at max_batch 64, which vLLM refuses on a 24 GiB machine). Paged attention holds what a batch actually uses;
+# sequences that do not fit wait (vLLM preempts and resumes them). `kv_cache_bytes` sets the size explicitly.
+KV_CEILING_BYTES = 2 << 30
+
+
+def default_kv_bytes(max_batch: int, max_len: int, per_token: int) -> int:
+    """The CPU KV cache vLLM gets by default: room for a full batch of the longest sequences, at most
+    `KV_CEILING_BYTES` (but always one whole sequence), at least 16 MiB."""
+    return max(16 << 20, min(max_batch * max_len * per_token, max(KV_CEILING_BYTES, max_len * per_token)))
 
 
 @dataclass(eq=False)
@@ -169,7 +180,8 @@ class VLLMEngine:
             layers, heads = self._config["num_hidden_layers"], self._config.get("num_key_value_heads") or 1
             head_dim = self._config.get("head_dim") or self._config["hidden_size"] // self._config["num_attention_heads"]
             per_token = 2 * layers * heads * head_dim * _DTYPE_BYTES[dtype]
-            self._llm_args["kv_cache_memory_bytes"] = kv_cache_bytes or max(16 << 20, max_batch * self._max_len * per_token)
+            self._llm_args["kv_cache_memory_bytes"] = kv_cache_bytes or default_kv_bytes(max_batch, self._max_len,
+                                                                                          per_token)
         elif kv_cache_bytes is not None:
             self._llm_args["kv_cache_memory_bytes"] = kv_cache_bytes
         self._cond = threading.Condition()

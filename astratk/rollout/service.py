@@ -76,7 +76,10 @@ class RolloutService:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.spec = ctx.spec
-        torch.set_num_threads(self.spec.cluster.torch_threads)
+        from astratk import cpu
+
+        torch.set_num_threads(cpu.run_threads(self.spec).rollout)
+        cpu.set_linear_backend(self.spec.cluster.cpu_linear)
         _quiet_transformers()
         self.env: Env = self.spec.env
         self.store = WeightStore.from_spec(ctx.store_url, ctx.spec.weights)

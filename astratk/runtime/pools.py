@@ -226,7 +226,9 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
                                       dashboard=spec.cluster.dashboard)
                  for wc in classes}
     pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
-    pre_spawn.update({k: str(spec.cluster.torch_threads) for k in THREAD_ENV})
+    from astratk.cpu import run_threads
+
+    pre_spawn.update({k: str(run_threads(spec).rollout) for k in THREAD_ENV})
     gpus = worker_gpus(spec)
     return PoolCluster(worker_specs(spec, processes), templates, elastic, dashboard=spec.cluster.dashboard,
                        pre_spawn_environ=pre_spawn, gpus={"rollout": gpus} if gpus else None)

@@ -119,7 +119,10 @@ class DeployedPolicy(PolicyModule):
         spec = _policy_spec(run_config, policy_id)
         # None: the run config's cluster.startup_timeout_s, for the scheduler and the deployment
         attach_timeout_s = spec.cluster.startup_timeout_s if attach_timeout_s is None else attach_timeout_s
-        torch.set_num_threads(spec.cluster.torch_threads)
+        from astratk import cpu
+
+        torch.set_num_threads(cpu.run_threads(spec).trainer)
+        cpu.set_linear_backend(spec.cluster.cpu_linear)
         client = _client(scheduler, spec, attach_timeout_s)
         info = _fetch(client, deployment, attach_timeout_s)
         super().__init__(info.ctx.model_paths[policy_id], **build.module_args(spec, policy_id))

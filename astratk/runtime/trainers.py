@@ -45,7 +45,9 @@ class TrainerProcesses:
                 "--trainer.default_root_dir", str(root)]  # placement: the policy's trainer section
 
     def start(self) -> None:
-        threads = str(self.spec.cluster.torch_threads)
+        from astratk.cpu import run_threads
+
+        threads = str(run_threads(self.spec).trainer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
         for p in self.spec.policies:
             pid = p.policy_id

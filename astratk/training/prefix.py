@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from astratk.models.kvcache import cache_kwargs, returned_cache
+
 
 @dataclass(frozen=True)
 class PrefixPlan:
@@ -89,7 +91,7 @@ def two_pass_logits(model: torch.nn.Module, input_ids: torch.Tensor, plan: Prefi
     pre_mask = (cols[:width].unsqueeze(0) < k_pre.unsqueeze(1)).long()  # [P, Kmax]
     pre_pos = cols[:width].unsqueeze(0).expand(len(k_pre), width)
     out = model(input_ids=pre_ids[:, :width], attention_mask=pre_mask, position_ids=pre_pos, use_cache=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     cache.batch_select_indices(plan.owner)  # [P, ...] -> [B, ...], differentiable
     s = int((n_rows - k_rows).max())
     j = torch.arange(s, device=dev)
@@ -97,7 +99,8 @@ def two_pass_logits(model: torch.nn.Module, input_ids: torch.Tensor, plan: Prefi
     suf_mask = (j.unsqueeze(0) < (n_rows - k_rows).unsqueeze(1)).long()  # [B, S]
     suf_ids = input_ids.gather(1, src).masked_fill(suf_mask == 0, 0)
     mask = torch.cat([pre_mask[plan.owner], suf_mask], dim=1)  # [B, Kmax + S]
-    suf = model(input_ids=suf_ids, attention_mask=mask, position_ids=src, past_key_values=cache, use_cache=True)
+    suf = model(input_ids=suf_ids, attention_mask=mask, position_ids=src, use_cache=True,
+                **cache_kwargs(model, cache))
     return out.logits, pre_ids, suf.logits, suf_ids
 
 
