@@ -1,5 +1,8 @@
 """`astratk` command line. `astratk run -c tutorials/quickstart.yaml [--rollout.group_size 4 ...]`.
 
+The current directory is importable (as with `python -m`): a config may name `mypkg.rewards.exact` for a `mypkg`
+next to it, and a local cluster's workers import it too.
+
 One style for every subcommand: `--key value` or `--key=value`, keys with underscores (`--policy_id`,
 `--run_config`, `--print_config`), dotted keys for configuration fields (`--trainer.max_steps`).
 
@@ -11,6 +14,9 @@ Subcommands:
           trainer jobs
   train   `astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR [--trainer.*]`:
           a LightningCLI trainer job for one policy, attached to a deployment (`astratk train fit --help`)
+  probe   `astratk probe --config RUN.yaml [--tasks 32] [overrides]`: before a run, will its rollouts carry learning
+          signal? The starting model's mean reward, pass@k and share of groups with signal on N train tasks, greedy
+          held-out accuracy, and what to change (`astratk.runtime.probe`)
   status  deployments on a scheduler and their data layers' state (`astratk status --scheduler ADDR`)
   export  `astratk export RUN_DIR OUT_DIR [--policy_id main] [--version N] [--overwrite] [--merge]`: a trained policy
           as an HF model directory, a LoRA policy as a PEFT adapter directory (`--merge`: merged weights)
@@ -37,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
             print("astratk (not installed: pip install -e .)")
         return 0
     command, rest = argv[0], argv[1:]
+    import os
+
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does (module docstring)
+        sys.path.insert(0, os.getcwd())
     if command == "run":
         return _run(rest)
+    if command == "probe":
+        return _probe(rest)
     if command == "export":
         return _export(rest)
     if command == "deploy":
@@ -47,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(rest)
     if command == "status":
         return _status(rest)
-    print(f"astratk: unknown command {command!r}; choose one of ['deploy', 'export', 'run', 'status', 'train'] "
+    print(f"astratk: unknown command {command!r}; choose one of ['deploy', 'export', 'probe', 'run', 'status', 'train'] "
           "(see `astratk --help`)", file=sys.stderr)
     return 2
 
@@ -192,6 +204,39 @@ def _run(argv: list[str]) -> int:
         print(f"astratk run: {e}", file=sys.stderr)
         return 2
     return _stopped_early("run", result.summary)
+
+
+def _probe(argv: list[str]) -> int:
+    """`astratk probe --config RUN.yaml [--tasks N] [--eval_tasks N] [overrides]`: N train tasks (default 32) rolled
+    out with the run's engine, sampling and group size in this process, and N held-out tasks decoded greedily; prints
+    the signal the run would get and what to change."""
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(_probe.__doc__)
+        return 0
+    counts = {"--tasks": 32, "--eval_tasks": None}
+    for flag in counts:
+        given = _flags(argv, (flag,))
+        if flag in given:
+            try:
+                counts[flag] = int(given[flag])
+            except ValueError:
+                print(f"astratk probe: {flag} needs a whole number, got {given[flag]!r}", file=sys.stderr)
+                return 2
+            argv = [a for i, a in enumerate(argv) if not (a.partition("=")[0] == flag
+                                                         or (i > 0 and argv[i - 1] == flag))]
+    spec = _parse_spec(argv, "probe")
+    if spec is None:
+        return 2
+    from astratk.runtime.probe import probe
+    from astratk.spec import StartError
+
+    try:
+        report = probe(spec, counts["--tasks"], eval_tasks=counts["--eval_tasks"])
+    except (StartError, ValueError) as e:
+        print(f"astratk probe: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
 
 
 def _stopped_early(command: str, summary: dict[str, Any]) -> int:

@@ -52,11 +52,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    import vs_trl
+
     from astratk.models.cache import ensure_model
     from astratk.models.chat import encode_chat, stop_token_ids
     from astratk.models.loading import load_causal_lm, load_tokenizer
     from astratk.models.warm_start import heldout_accuracy
-    import vs_trl
 
     # vs_trl's own spec for --model and --astratk-set: the model directory both of its sides start from
     bench_args = vs_trl.parse_args(["--model", args.model, *itertools.chain(*(["--astratk-set", kv]

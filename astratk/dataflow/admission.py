@@ -91,6 +91,9 @@ class Admission:
             return 0
         rewards = [float(t.reward) for t in scored]  # type: ignore[arg-type]
         self._reward_sum[pid] += sum(rewards)
+        # what a starving run reports in words (`astratk.dataflow.learning_signal`): reward and truncation by window
+        self.counts[key + "reward_sum_received"] += sum(rewards)
+        self.counts[key + "samples_unfinished"] += sum(1 for t in scored if not t.finished)
         group = dataclasses.replace(group, trajectories=scored,
                                     advantages=tuple(self._advantage(rewards)))
         if self._learn is not None and group.role == self._curated_role:

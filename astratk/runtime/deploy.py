@@ -18,6 +18,7 @@ from astratk.records import RunContext
 from astratk.runtime import registry
 from astratk.runtime.acquisition import Acquisition
 from astratk.runtime.cluster import wait_for_workers
+from astratk.runtime.preflight import check_env_loads
 from astratk.spec import SCORE_LABEL, LoraSpec
 from astratk.weights.store import WeightStore
 
@@ -75,6 +76,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
     need = [f"rollout_{p.policy_id}" for p in spec.policies]
     wait_for_workers(client, need, 1, timeout_s)
     wait_for_workers(client, [SCORE_LABEL], 1, timeout_s)  # the same workers, or score-only ones (docs/cluster.md)
+    check_env_loads(client, spec.env, timeout_s)  # a reward module the workers cannot import: one line, now
     store = WeightStore.from_spec(ctx.store_url, spec.weights)
     published = registry.datalayer_dataset(ctx.run_id)
 

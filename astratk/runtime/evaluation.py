@@ -7,6 +7,7 @@ measured from when those weights existed, not from when the evaluation happened 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from typing import Any
@@ -35,22 +36,26 @@ class Evaluator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._evaluated: dict[str, int] = {}  # versions evaluated before the periodic loop started
 
-    def evaluate(self, version: int | dict[str, int | None] | None = None) -> dict[str, float]:
+    def evaluate(self, version: int | dict[str, int | None] | None = None, *, priority: int = 100,
+                 timeout_s: float | None = None) -> dict[str, float]:
         """Evaluate now, blocking; the record is kept and returned. `version`: one version for every policy, a
         {policy: version} mapping, or None for whatever version is newest when the task starts on its worker (it may
         queue behind a rollout chunk meanwhile, and pinning a version at submission could see it pruned from the
-        store by then)."""
+        store by then). `priority`: Dask's; 100 runs before queued rollout chunks, 0 after the ones queued already.
+        `timeout_s`: default `eval.timeout_s`."""
         versions = version if isinstance(version, dict) else dict.fromkeys(self.policy_ids, version)
         resources = {f"rollout_{p}": 1 for p in self.policy_ids}
         future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k,
-                                    resources=resources, priority=100, pure=False)
+                                    resources=resources, priority=priority, pure=False)
+        timeout_s = self.espec.timeout_s if timeout_s is None else timeout_s
         try:
-            out = future.result(timeout=self.espec.timeout_s)
+            out = future.result(timeout=timeout_s)
         except TimeoutError:
             future.cancel()
             which = ", ".join(f"{p} {'newest' if v is None else f'v{v}'}" for p, v in versions.items())
-            raise TimeoutError(f"held-out evaluation of {which} took more than {self.espec.timeout_s:.0f}s "
+            raise TimeoutError(f"held-out evaluation of {which} took more than {timeout_s:.0f}s "
                                "(eval.timeout_s)") from None
         t0 = self.train_t0
         record = {**out, "evaluated_at": time.time(),
@@ -61,7 +66,23 @@ class Evaluator:
             self.on_record(record)
         return record
 
-    def start(self) -> Evaluator:
+    def evaluate_in_background(self, version: int, timeout_s: float) -> concurrent.futures.Future:
+        """`evaluate(version)` on a thread, queued behind the rollout chunks already submitted (priority 0), so the
+        first steps' rollouts are not kept waiting by it; the future holds the record (or the error)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.evaluate(version, priority=0, timeout_s=timeout_s))
+            except BaseException as e:  # noqa: BLE001 - the caller gets it from the future
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="astratk-eval-first", daemon=True).start()
+        return future
+
+    def start(self, evaluated: dict[str, int] | None = None) -> Evaluator:
+        """Evaluate periodically from now on; `evaluated`: versions already evaluated (or being evaluated)."""
+        self._evaluated = dict(evaluated or {})
         self._thread = threading.Thread(target=self._loop, name="astratk-eval", daemon=True)
         self._thread.start()
         return self
@@ -86,7 +107,8 @@ class Evaluator:
         return latest
 
     def _loop(self) -> None:
-        last = {pid: max((int(r.get(f"version_{pid}", r["version"])) for r in self.records), default=-1)
+        last = {pid: max((int(r.get(f"version_{pid}", r["version"])) for r in self.records),
+                         default=self._evaluated.get(pid, -1))
                 for pid in self.policy_ids}
         every = self.espec.every_versions
         last_time = time.monotonic()

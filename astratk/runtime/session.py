@@ -197,6 +197,7 @@ class Session:
         self._logger_error: str | None = None
         self.metrics_writes = 0  # partial metrics.nc files written while training (metrics_every_s)
         self.trainer_error: BaseException | None = None  # what the in-process trainer raised, if it did
+        self.starvation: Any = None  # the StarvationMonitor while training (astratk.runtime.starvation)
         # per policy: the groups its trainer trained on, in order
         self.group_ids: dict[str, list[str]] = {}
         self.state = "starting"  # starting | training | paused | finished | failed
@@ -218,8 +219,8 @@ class Session:
 
         _quiet_transformers()
         _quiet_dask()
+        self._place_cpu()
         self._build_models()
-        torch.set_num_threads(self.spec.cluster.torch_threads)
         store_url = self._prepare_weights()
         t = time.perf_counter()
         self._start_cluster()
@@ -242,6 +243,19 @@ class Session:
 
     def _on_exit(self, close: Callable[[], Any]) -> None:
         self._closers.insert(0, close)
+
+    def _place_cpu(self) -> None:
+        """This process's torch threads and Linear kernel (`astratk.cpu`), said once: the trainer runs here."""
+        from astratk import cpu
+
+        plan = cpu.run_threads(self.spec)
+        torch.set_num_threads(plan.trainer)
+        cpu.set_linear_backend(self.spec.cluster.cpu_linear)
+        linear = cpu.linear_backend()
+        speed = cpu.onednn_speedup() if self.spec.cluster.cpu_linear == "auto" else None
+        why = f" ({speed:.1f}x torch's BLAS here)" if speed else ""
+        self.print(f"CPU: torch threads trainer {plan.trainer}, each rollout worker {plan.rollout} ({plan.reason}); "
+                   f"Linear layers: {linear}{why}")
 
     def _build_models(self) -> None:
         """Every policy's starting model directory (built and warm-started, or from the cache)."""
@@ -364,8 +378,12 @@ class Session:
 
     def _print_eval(self, r: dict[str, float]) -> None:
         self._log_eval(r)
-        published = r["train_time_s"] == r["train_time_s"]  # NaN before training starts
-        when = f" (weights published at {r['train_time_s']:.0f}s)" if published else ""
+        if int(r["version"]) == self._first_version():
+            when = " (the starting weights)"
+        elif r["train_time_s"] == r["train_time_s"]:  # NaN before training starts
+            when = f" (weights published at {max(0.0, r['train_time_s']):.0f}s of training)"
+        else:
+            when = ""
         if len(self.spec.policies) == 1:
             self.print(f"held-out accuracy v{int(r['version'])}: {r['accuracy']:.3f} on "
                        f"{int(r['n'])} tasks{when}")
@@ -404,9 +422,10 @@ class Session:
     def train(self) -> dict[str, Any]:
         """Train every policy to its `trainer.max_steps` (or until `request_stop`); the summary."""
         several = len(self.spec.policies) > 1
+        tiny = all(p.model.path is None for p in self.spec.policies)  # the built-in tiny model is warm-started
         what = ("the resumed policy" if self.resume_point else
-                "the warm-start models" if several else "the warm-start model")
-        self.print(f"evaluating {what} (v{self._first_version()}) on the held-out split...")
+                f"the {'warm-start' if tiny else 'starting'} model{'s' if several else ''}")
+        self.print(f"evaluating {what} (v{self._first_version()}) on the held-out split, while training starts")
         return self._drive(self._build_trainers)
 
     def serve(self, poll_s: float = 5.0, until_versions: dict[str, int] | None = None
@@ -439,21 +458,25 @@ class Session:
         written."""
         self.state = "training"
         try:
-            base = self.evaluator.evaluate(self._first_version())
+            # The first evaluation overlaps training: it queues behind the rollouts already submitted, so the first
+            # steps do not wait for it (it evaluates the stored first version whenever it runs).
+            first = self._first_version()
+            first_eval = self.evaluator.evaluate_in_background(first, timeout_s=self._first_eval_timeout())
             fit = trainers()
-            for record in list(self.evaluator.records):  # the first evaluation came before the trainer's loggers
-                self._log_eval(record)
             t0 = time.time()
             self.evaluator.train_t0 = t0
-            self.evaluator.start()
+            self.evaluator.start(evaluated=dict.fromkeys((p.policy_id for p in self.spec.policies), first))
             writer = self._start_metrics_writer()
+            self.starvation = self._start_starvation_monitor()
             try:
                 results = fit()
             finally:
                 train_time = time.time() - t0
+                self.starvation.stop()
                 writer()
                 self.evaluator.stop()
                 self.deployment.acquisition.stop()
+            base = self._first_evaluation(first_eval, first)
             errors = [res.pop("error") for res in results.values() if res.get("error") is not None]
             self.trainer_error = errors[0] if errors else None
             final = self._final_evaluation()
@@ -467,9 +490,56 @@ class Session:
         self.state = "finished"
         return summary
 
+    def _start_starvation_monitor(self) -> Any:
+        """Explains, while it happens, a trainer waiting while groups are dropped (`astratk.runtime.starvation`)."""
+        from astratk.runtime.starvation import StarvationMonitor
+
+        streams = {self.spec.policies[0].policy_id: self.stream} if self.stream is not None else {}
+        return StarvationMonitor(self.spec, self.deployment.datalayer, self.print, streams=streams,
+                                 greedy=self._greedy_accuracy).start()
+
+    def _greedy_accuracy(self, policy_id: str) -> float | None:
+        """The newest held-out (greedy) accuracy of a policy, where an evaluation has run."""
+        from astratk.runtime.evaluation import per_policy
+
+        records = sorted(self.evaluator.records, key=lambda r: (r["version"], r["evaluated_at"]))
+        rows = {policy_id: records} if len(self.spec.policies) == 1 else per_policy(records, self.spec)
+        ok = [r["accuracy"] for r in rows.get(policy_id, []) if r.get("accuracy") == r.get("accuracy")]
+        return ok[-1] if ok else None
+
+    def _first_eval_timeout(self) -> float:
+        """The first evaluation may wait behind training's rollouts: as long as training may last, plus its own
+        `eval.timeout_s` (a run without max_time_s: only eval.timeout_s after training, see `_first_evaluation`)."""
+        budgets = [p.trainer.max_time_s for p in self.spec.policies]
+        if any(b is None for b in budgets):
+            return 7 * 24 * 3600.0  # bounded by `_first_evaluation`'s own wait once training is over
+        return max(budgets) + 2 * self.spec.eval.timeout_s
+
+    def _first_evaluation(self, future: Any, version: int) -> dict[str, float]:
+        """The first version's evaluation, waited for once training is over (eval.timeout_s at most); a failed one is
+        recorded with accuracy NaN, so that the run still writes what it gathered."""
+        import concurrent.futures
+
+        try:
+            return future.result(timeout=self.spec.eval.timeout_s)
+        except concurrent.futures.TimeoutError:
+            why = f"not finished {self.spec.eval.timeout_s:.0f}s after training (eval.timeout_s)"
+        except Exception as e:  # noqa: BLE001 - reported; the run's outputs matter more
+            why = f"{type(e).__name__}: {e}"
+        self.print(f"held-out evaluation of the first version (v{version}) failed: {why}")
+        return {"version": float(version), "accuracy": float("nan"), "n": 0.0, "error": 1.0,
+                "evaluated_at": time.time(), "train_time_s": float("nan")}
+
     def _final_evaluation(self) -> dict[str, float]:
         """The last version's held-out evaluation; a failed one is recorded with accuracy NaN, so
-        that the run still writes what it gathered."""
+        that the run still writes what it gathered. A periodic evaluation of exactly the newest versions is that
+        evaluation already (greedy decoding on the same tasks gives the same accuracy): it is not run twice."""
+        newest = {p.policy_id: getattr(self.deployment.store.latest(p.policy_id), "version", None)
+                  for p in self.spec.policies}
+        for record in reversed(list(self.evaluator.records)):
+            if record.get("accuracy") == record.get("accuracy") and all(
+                    int(record.get(f"version_{pid}", record["version"])) == v for pid, v in newest.items()):
+                return record
         try:
             return self.evaluator.evaluate()
         except Exception as e:  # noqa: BLE001 - reported; the run's outputs matter more
@@ -610,7 +680,8 @@ class Session:
         counts = {f"acquisition/{first}/{k.split('/', 1)[1]}": v
                   for k, v in acquisition.counts.items()}
         accounting = {f"acquisition/{k}": v for k, v in task_accounting(data).items()}
-        self.counters = {**data, **counts, **accounting}
+        starving = self.starvation.counters() if self.starvation is not None else {}
+        self.counters = {**data, **counts, **accounting, **starving}
         self.drops = self.deployment.datalayer.drops()
         self.service_rows = acquisition.services.by_service()
         if acquisition.errors:
@@ -674,6 +745,7 @@ class Session:
             "data_wait_fraction": head["data_wait_s"] / max(train_time, 1e-9),
             "n_heldout": int(base["n"]),
             **_stop_summary(self.spec, results),
+            "starvation": [w["line"] for w in self.starvation.warnings[-10:]] if self.starvation else [],
         }
         if len(self.spec.policies) > 1:
             for p in self.spec.policies:

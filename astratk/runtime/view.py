@@ -75,6 +75,9 @@ def render(run: Any) -> str:
         best = max((a for _, a in curve if math.isfinite(a)), default=st["accuracy"])
         acc = (f"<div>held-out accuracy <b>{st['accuracy']:.3f}</b> at v{st['accuracy_version']} (best {best:.3f}, "
                f"{len(curve)} evaluations) {sparkline(curve)}</div>")
+    if st.get("starving"):  # a trainer waits while groups are dropped: said where it cannot be missed
+        acc += (f"<div style='background:#fff3cd;border:1px solid #e0c36c;padding:4px;margin:4px 0'>"
+                f"{html.escape(str(st['starving']))}</div>")
     lines = list(getattr(run, "log_lines", []))[-LOG_LINES:]
     log = (f"<pre style='font-size:11px;max-height:14em;overflow:auto;margin:4px 0'>"
            f"{html.escape(chr(10).join(lines))}</pre>") if lines else ""

@@ -65,6 +65,7 @@ class GroupStream(IterableDataset):
         self.last_wait_s = 0.0  # time the trainer waited for the latest batch (the data-wait metric)
         self.total_wait_s = 0.0
         self.stop_reason: str | None = None  # why the stream starved, in words (None: it did not)
+        self.waiting_since: float | None = None  # time.monotonic() when the current wait for a batch began
 
     def __iter__(self) -> Iterator[StepTicket]:
         step = self.start_step
@@ -76,9 +77,11 @@ class GroupStream(IterableDataset):
         """Wait for the ticket's step batch and collate it; or, when it does not come within `timeout_s` (the stream
         starved: `stop_reason` says why) or `time_left` seconds (the trainer's time limit), an `EndOfStream`."""
         start = time.perf_counter()
+        self.waiting_since = time.monotonic()
         try:
             groups = self._wait(ticket.step, time_left)
         finally:
+            self.waiting_since = None
             self.last_wait_s = time.perf_counter() - start
             self.total_wait_s += self.last_wait_s
         if isinstance(groups, EndOfStream):

@@ -274,4 +274,4 @@ def test_cli_export(run, tmp_path, capsys):
     assert err.startswith("astratk export: policy 'main' version 7 is not in") and "retained: 0-2" in err
     assert main(["export", "--help"]) == 0 and "--base_model" in capsys.readouterr().out
     assert main(["export"]) == 2  # usage error: argparse prints it; main returns instead of exiting
-    assert main(["bogus"]) == 2 and "['deploy', 'export', 'run', 'status', 'train']" in capsys.readouterr().err
+    assert main(["bogus"]) == 2 and "['deploy', 'export', 'probe', 'run', 'status', 'train']" in capsys.readouterr().err

@@ -1,0 +1,130 @@
+"""Starvation explained while it happens: `StarvationMonitor` over a scripted data layer, and the advice it gives
+(`astratk.dataflow.learning_signal`)."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+from astratk.dataflow import learning_signal
+from astratk.dataflow.learning_signal import SignalReading, advice, group_signal_probability
+from astratk.records import Drop
+from astratk.runtime.starvation import StarvationMonitor
+from astratk.spec import PolicySpec, RolloutSpec, RunSpec
+
+
+def test_the_module_examples_hold():
+    assert doctest.testmod(learning_signal, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+
+
+def test_group_signal_probability():
+    assert group_signal_probability(0.5, 2) == pytest.approx(0.5)
+    assert group_signal_probability(0.0, 8) == 0.0 == group_signal_probability(1.0, 8)
+    assert group_signal_probability(0.01, 8) == pytest.approx(1 - 0.99 ** 8 - 0.01 ** 8)
+
+
+def _advice(**reading):
+    return advice(SignalReading(**reading), group_size=8, temperature=1.0, max_new_tokens=16, max_staleness=4)
+
+
+def test_advice_follows_what_was_seen():
+    hard = _advice(groups=100, admitted=2, dropped={"zero_variance": 98}, samples=800, reward_mean=0.01,
+                   unfinished=0.05, greedy_accuracy=0.2)
+    assert hard[0].startswith("lower rollout.temperature (now 1:")
+    assert not any("max_new_tokens" in a for a in hard)  # 5% truncated: not the problem
+    assert any("rollout.group_size (now 8" in a for a in hard) and any("curriculum" in a for a in hard)
+    cut = _advice(groups=100, admitted=2, dropped={"zero_variance": 98}, samples=800, reward_mean=0.01,
+                  unfinished=0.7)
+    assert any("raise rollout.max_new_tokens (now 16: 70%" in a for a in cut)
+    assert not any("temperature" in a for a in cut)  # no greedy accuracy known: no claim about it
+    easy = _advice(groups=100, admitted=2, dropped={"zero_variance": 98}, samples=800, reward_mean=0.97)
+    assert len(easy) == 1 and "filter_solved" in easy[0]
+    stale = _advice(groups=100, admitted=10, dropped={"stale": 90}, samples=800, reward_mean=0.4)
+    assert stale[0].startswith("raise dataflow.max_staleness (now 4)") and len(stale) == 1
+    assert "length_filter" in _advice(groups=10, admitted=0, dropped={"too_long": 10}, samples=80)[0]
+
+
+class FakeDataLayer:
+    """Counters and drops as a test sets them, read as the monitor reads the real one."""
+
+    def __init__(self):
+        self.m: dict[str, float] = {}
+        self.d: list[Drop] = []
+
+    def metrics(self, timeout=None):
+        return dict(self.m)
+
+    def drops(self, timeout=None):
+        return list(self.d)
+
+    def roll(self, groups: int, admitted: int, reward: float, unfinished: float = 0.0, served: int = 0):
+        k = "data/main/"
+        for name, v in (("groups_received", groups), ("groups_admitted", admitted), ("samples_received", 8 * groups),
+                        ("reward_sum_received", reward * 8 * groups), ("samples_unfinished", unfinished * 8 * groups),
+                        ("groups_served", served)):
+            self.m[k + name] = self.m.get(k + name, 0.0) + v
+        if groups - admitted:
+            old = sum(d.count for d in self.d)
+            self.d = [Drop("admission", "zero_variance", "groups", "main", old + groups - admitted)]
+
+
+class Stream:
+    waiting_since: float | None = None
+
+
+def _monitor(dl, stream=None, greedy=None):
+    spec = RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(max_new_tokens=16))
+    lines: list[str] = []
+    mon = StarvationMonitor(spec, dl, lines.append, streams={"main": stream} if stream else {},
+                            greedy=greedy or (lambda pid: None))
+    return mon, lines
+
+
+def test_a_waiting_trainer_with_dropped_groups_is_explained_within_25_seconds_and_counted():
+    dl, stream = FakeDataLayer(), Stream()
+    mon, _lines = _monitor(dl, stream, greedy=lambda pid: 0.09)
+    dl.roll(10, 5, 0.3)
+    mon.check(0.0)  # training happily: the baseline
+    stream.waiting_since = 1.0
+    dl.roll(40, 2, 0.01, unfinished=0.6)
+    assert mon.check(10.0) == []  # waiting 9 s: not yet
+    [line] = mon.check(25.0)
+    assert line.startswith("[starving] policy 'main': trainer waiting 24s for a batch; 40 groups rolled out, 2 with "
+                           "signal (5%), 38 dropped (zero_variance 38)")
+    assert "mean reward 0.010 sampled vs 0.090 greedy" in line and "60% of samples hit max_new_tokens" in line
+    assert "lower rollout.temperature" in line and "raise rollout.max_new_tokens (now 16" in line
+    assert mon.check(30.0) == []  # said once a minute while it lasts
+    dl.roll(5, 0, 0.0)
+    assert len(mon.check(86.0)) == 1
+    assert mon.counters() == {"starvation/main/warnings": 2.0}
+    stream.waiting_since = None
+    assert mon.check(90.0) == []
+    stream.waiting_since = 91.0  # a new wait: its own window and its own first warning
+    dl.roll(3, 0, 0.0)
+    [line] = mon.check(112.0)
+    assert "3 groups rolled out, 0 with signal" in line
+
+
+def test_slow_rollouts_without_drops_are_not_starvation_but_no_rollout_at_all_is_said():
+    dl, stream = FakeDataLayer(), Stream()
+    mon, _lines = _monitor(dl, stream)
+    mon.check(0.0)
+    stream.waiting_since = 0.0
+    dl.roll(3, 3, 0.5)
+    assert mon.check(30.0) == []
+    stream.waiting_since = 31.0
+    mon.check(31.0)
+    [line] = mon.check(60.0)
+    assert "no rollout arrived meanwhile" in line
+
+
+def test_a_trainer_in_another_process_is_starving_when_no_batch_is_served():
+    dl = FakeDataLayer()
+    mon, _lines = _monitor(dl)
+    dl.roll(8, 8, 0.5, served=8)
+    mon.check(0.0)
+    dl.roll(20, 0, 0.0)
+    assert mon.check(15.0) == []
+    [line] = mon.check(21.0)
+    assert "20 groups rolled out, 0 with signal" in line
