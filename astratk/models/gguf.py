@@ -168,10 +168,11 @@ def inspect_gguf(file: Path, key: str = "model.path") -> tuple[str, dict[str, in
                          "dequantize; convert the model with llama.cpp to F16/Q8_0/Q4_K, or use its HF weights")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if _RENAMED.get(arch, arch) not in GGUF_SUPPORTED_ARCHITECTURES:
+    supported = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
+    if _RENAMED.get(arch, arch) not in supported:
         raise StartError(f"{key}: {file.name} is a {arch!r} model, an architecture transformers cannot load from "
-                         f"GGUF (it can: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES - {'general', 'tokenizer'}))}"
-                         "); use the model's HF weights (a directory or Hub id)")
+                         f"GGUF (it can: {', '.join(sorted(supported))}); use the model's HF weights (a directory "
+                         "or Hub id)")
     return arch, types
 
 

@@ -166,8 +166,11 @@ def _mean(xs: list[float]) -> float:
 
 
 @torch.no_grad()
-def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: int = 512) -> tuple[float, float, int]:
-    """Greedy accuracy over the first `max_tasks` held-out tasks: (accuracy, finished fraction, n graded)."""
+def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: int = 512,
+                     max_new_tokens: int | None = None) -> tuple[float, float, int]:
+    """Greedy accuracy over the first `max_tasks` held-out tasks: (accuracy, finished fraction, n graded).
+    `max_new_tokens`: the token budget (None: the longest demonstration + 3, for models that answer tersely; a
+    pretrained chat model that answers in sentences needs the run's `rollout.max_new_tokens`)."""
     _require(env, "demonstration", "messages", "grade")
     tasks = list(itertools.islice(env.tasks("heldout"), max_tasks))
     if not tasks:
@@ -176,7 +179,8 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
         return _turns_accuracy(model, tok, env, tasks, batch)
     stops = list(stop_token_ids(tok))
     # Room for the longest reference answer, its <|im_end|>, and a little slack for wrong, longer answers.
-    budget = max(len(tok(env.demonstration(t), add_special_tokens=False)["input_ids"]) for t in tasks) + 3
+    budget = max_new_tokens or max(len(tok(env.demonstration(t), add_special_tokens=False)["input_ids"])
+                                   for t in tasks) + 3
     model.eval()
     correct = finished = 0
     for start in range(0, len(tasks), batch):

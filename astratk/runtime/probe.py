@@ -85,7 +85,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def probe(spec: Any, n_tasks: int = 32, *, printer: Callable[[str], None] = print,
           eval_tasks: int | None = None) -> ProbeReport:
     """Roll out `n_tasks` train tasks (group_size samples each) and evaluate `eval_tasks` held-out tasks greedily
-    (default `n_tasks`), in this process; see the module docstring."""
+    (default `n_tasks`), in this process; see the module docstring. Runs on a thread of its own: the rollout
+    service runs its episodes on an event loop, and a notebook's thread has one running already."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="astratk-probe") as pool:
+        return pool.submit(_probe, spec, n_tasks, printer, eval_tasks).result()
+
+
+def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: int | None) -> ProbeReport:
     import torch
 
     from astratk import cpu
