@@ -59,9 +59,8 @@ def test_vllm_serves_smollm2_with_its_template_as_torch_engine_does(smollm2_dir)
 def test_an_exported_policy_loads_in_vllm(smollm2_dir, tmp_path):
     from astratk.engines.vllm_engine import VLLMEngine
     from astratk.models.export import export_hf
-    from astratk.weights.store import WeightStore
-
     from astratk.models.loading import load_causal_lm
+    from astratk.weights.store import WeightStore
 
     store = WeightStore(str(tmp_path / "weights"))
     model = load_causal_lm(str(smollm2_dir))
