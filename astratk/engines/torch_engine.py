@@ -2,8 +2,12 @@
 
 Batching. Episodes call `generate` concurrently (asyncio tasks in one loop, other threads, other loops). A call queues
 its requests and gets a `concurrent.futures.Future` (`asyncio.wrap_future` makes it awaitable in the caller's loop).
-One worker thread takes the first queued request, waits `batch_window_s` for more (up to `max_batch`), runs them as
-one batch and resolves the callers' futures; a call larger than `max_batch` spans batches. An exception in a batch
+One worker thread takes the first queued request, then waits while more keep arriving: until none has arrived for
+`batch_window_s` (at most `BATCH_WAIT_MAX_S` in all, or until `max_batch`), runs them as one batch and resolves the
+callers' futures; a call larger than `max_batch` spans batches. Why wait for the arrivals to stop rather than for a
+fixed window: a rollout chunk's 64 episodes render their chat prompts before they call `generate`, so their requests
+trickle in over several milliseconds, and a fixed 2 ms window cut them into a batch of 48 and one of 16 (measured:
+1.3x fewer tokens/s than one batch). A lone request waits `batch_window_s` only. An exception in a batch
 goes to the calls in that batch, and the worker carries on.
 
 Decoding. Prompts are left-padded, position ids count each row's real tokens; one prefill (equal prompts, such as
@@ -222,6 +226,7 @@ class _Call:
 
 
 WEIGHT_UPDATES = ("between_requests", "inflight", "inflight_recompute")
+BATCH_WAIT_MAX_S = 0.05  # the longest a batch waits for requests still arriving (`_take_batch`)
 
 
 class TorchEngine:
@@ -573,15 +578,20 @@ class TorchEngine:
                 _settle(call.future, result=call.results)
 
     def _take_batch(self) -> list[tuple[_Call, int]] | None:
-        """Wait for a first request, then `batch_window_s` for more; None once closed."""
+        """Wait for a first request, then while more keep arriving (module docstring); None once closed."""
         with self._cond:
             while not self._pending and not self._closed:
                 self._cond.wait(timeout=1.0)  # idle: re-check `closed` every second
             if self._closed:
                 return None
-            deadline = time.monotonic() + self._window
-            while len(self._pending) < self._max_batch and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(timeout=left)
+            give_up = time.monotonic() + BATCH_WAIT_MAX_S
+            seen, quiet_until = len(self._pending), time.monotonic() + self._window
+            while len(self._pending) < self._max_batch and (now := time.monotonic()) < give_up:
+                if len(self._pending) != seen:  # another request arrived: wait a window more for the next
+                    seen, quiet_until = len(self._pending), now + self._window
+                if now >= quiet_until:
+                    break
+                self._cond.wait(timeout=min(quiet_until, give_up) - now)
             items: list[tuple[_Call, int]] = []
             others: collections.deque[tuple[_Call, int]] = collections.deque()  # other adapters' requests
             full = False  # the memory budget holds no more rows: the rest waits for the next batch, in order

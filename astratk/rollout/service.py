@@ -79,7 +79,7 @@ class RolloutService:
         from astratk import cpu
 
         torch.set_num_threads(cpu.run_threads(self.spec).rollout)
-        cpu.set_linear_backend(self.spec.cluster.cpu_linear)
+        cpu.set_linear_backend(ctx.cpu_linear or self.spec.cluster.cpu_linear)  # the driver's choice when it made one
         _quiet_transformers()
         self.env: Env = self.spec.env
         self.store = WeightStore.from_spec(ctx.store_url, ctx.spec.weights)

@@ -66,14 +66,24 @@ class Evaluator:
             self.on_record(record)
         return record
 
-    def evaluate_in_background(self, version: int, timeout_s: float) -> concurrent.futures.Future:
-        """`evaluate(version)` on a thread, queued behind the rollout chunks already submitted (priority 0), so the
-        first steps' rollouts are not kept waiting by it; the future holds the record (or the error)."""
+    def evaluate_in_background(self, version: int, timeout_s: float, start_after_s: float = 60.0
+                               ) -> concurrent.futures.Future:
+        """`evaluate(version)` on a thread, once every policy has published a version past `version` (its first
+        step is done) or `start_after_s` seconds have passed, whichever comes first: the evaluation runs on the
+        rollout workers, and before then it would hold up the rollouts of the first step. The future holds the
+        record (or the error)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def stepped() -> bool:
+            refs = [self.store.latest(pid) for pid in self.policy_ids]
+            return all(ref is not None and ref.version > version for ref in refs)
 
         def run() -> None:
             try:
-                future.set_result(self.evaluate(version, priority=0, timeout_s=timeout_s))
+                deadline = time.monotonic() + start_after_s
+                while time.monotonic() < deadline and not self._stop.is_set() and not stepped():
+                    time.sleep(0.25)
+                future.set_result(self.evaluate(version, timeout_s=timeout_s))
             except BaseException as e:  # noqa: BLE001 - the caller gets it from the future
                 future.set_exception(e)
 

@@ -130,6 +130,7 @@ class Run:
         from astratk.validation import check_gpu_memory, check_output_dir
 
         spec = self.spec
+        started = time.time()
         check_output_dir(spec)  # before anything is written: an output_dir that is a file or read-only
         models = self._resolve_models()  # a bad Hub id or model directory leaves nothing behind, likewise
         check_gpu_memory(spec, trainers_here=serve_as is None)  # shares of a GPU that cannot fit, likewise
@@ -156,6 +157,7 @@ class Run:
         finally:
             self._ready.set()
         summary["wall_time_s"] = time.time() - wall0
+        summary["first_step_started_s"], summary["first_step_s"] = _first_step_s(session, started)
         summary["models"] = {pid: {**m, "directory": session.model_paths.get(pid, m["directory"])}
                              for pid, m in models.items()}
         self.result = self._finish(run_dir, session, summary)
@@ -321,6 +323,9 @@ class Run:
         target = 100 * s["target_gain"]
         p(f"+{target:.0f} points first reached after {t:.0f}s of training" if t is not None else
           f"+{target:.0f} points not reached in {s['train_time_s']:.0f}s of training")
+        if s.get("first_step_s") is not None:
+            p(f"start-up: the first optimizer step began {s['first_step_started_s']:.0f}s after the start (its batch "
+              f"in hand) and ended at {s['first_step_s']:.0f}s")
         p(f"training: {s['steps']} steps in {s['train_time_s']:.0f}s, trainer waited for data "
           f"{100 * s['data_wait_fraction']:.0f}% of it; whole run {s['wall_time_s']:.0f}s")
         for name, path in files.items():
@@ -355,6 +360,20 @@ def _remove_dirs(made: list[Path]) -> None:
 
 def _flat(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str)) and v is not None}
+
+
+def _first_step_s(session: Any, started: float) -> tuple[float | None, float | None]:
+    """Seconds from `Run.start` (model resolution, a GGUF's dequantization, cluster start-up included) to the start
+    of the in-process trainer's first optimizer step (its first batch in hand) and to its end; None when no step ran
+    here (trainer jobs elsewhere)."""
+    for recorder in session.recorders.values():
+        if recorder.rows and recorder.t0 is not None:
+            row = recorder.rows[0]
+            end = next((v for k, v in row.items() if k.startswith("train/") and k.endswith("/time_s")), None)
+            compute = next((v for k, v in row.items() if k.endswith("/step_compute_s")), 0.0)
+            if end is not None:
+                return recorder.t0 + end - compute - started, recorder.t0 + end - started
+    return None, None
 
 
 def _check_lora(model: Any, key: str, directory: Any) -> None:

@@ -224,8 +224,10 @@ class Session:
         store_url = self._prepare_weights()
         t = time.perf_counter()
         self._start_cluster()
-        ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=self.spec,
-                         model_paths=dict(self.model_paths), store_url=store_url)
+        from astratk import cpu
+
+        ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=self.spec, model_paths=dict(self.model_paths),
+                         store_url=store_url, cpu_linear=cpu.linear_backend())  # one choice for every process
         self._deploy(ctx)
         workers = len(self.client.scheduler_info()["workers"])
         dashboard = self.client.dashboard_link if self.spec.cluster.dashboard else "off"
@@ -458,8 +460,9 @@ class Session:
         written."""
         self.state = "training"
         try:
-            # The first evaluation overlaps training: it queues behind the rollouts already submitted, so the first
-            # steps do not wait for it (it evaluates the stored first version whenever it runs).
+            # The first evaluation overlaps training: it starts once the first step is done (or after a minute), so
+            # the first step's rollouts do not wait for it on the rollout workers; it evaluates the stored first
+            # version whenever it runs.
             first = self._first_version()
             first_eval = self.evaluator.evaluate_in_background(first, timeout_s=self._first_eval_timeout())
             fit = trainers()

@@ -5,7 +5,8 @@ a policy's trainer has waited `after_s` seconds for its batch (the in-process tr
 no batch served for that long) it prints one line with what the rollouts of that wait became: groups rolled out and
 dropped by reason, mean reward (and the held-out greedy accuracy where an evaluation has run), truncation, and what
 to change (`astratk.dataflow.learning_signal`). With the defaults the line comes within 25 s of the wait's start and
-again every `repeat_s` seconds while it lasts. No rollout arriving at all is said too. Each warning is counted in
+again every `repeat_s` seconds while it lasts. No rollout arriving at all is said after `NO_ROLLOUT_S` (engines and
+the first evaluation start meanwhile). Each warning is counted in
 the run's metrics (`starvation/<policy>/warnings`) and kept in `summary.json` (`starvation`).
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from astratk.dataflow.learning_signal import SignalReading, describe
+
+NO_ROLLOUT_S = 60.0  # a wait this long with no rollout at all is said; shorter ones are engines starting
 
 
 @dataclass
@@ -100,9 +103,11 @@ class StarvationMonitor:
             return None
         reading = self._reading(pid, w, metrics, mine)
         if reading.groups == 0:
+            if waited < NO_ROLLOUT_S:  # engines load and the first chunk generates: not yet worth a word
+                return None
             line = (f"[starving] policy {pid!r}: its trainer has waited {waited:.0f}s for a batch and no rollout "
-                    "arrived meanwhile: are the rollout workers alive? (a large model's engine can take a minute to "
-                    "start; the workers' log says more)")
+                    "arrived meanwhile: are the rollout workers alive? (a large model's engine can take minutes to "
+                    "load, and evaluations run on the same workers; the workers' log says more)")
         elif not reading.dropped:
             return None  # data arrives and nothing is dropped: rollouts are just slower than training
         else:
