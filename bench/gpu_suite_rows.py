@@ -415,7 +415,11 @@ def _astratk_run(ctx: Context, spec: Any) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_spec(spec))
     with Session(spec, run_dir, ctx.log) as session:
-        return session.train()
+        summary = session.train()
+    # The rollout services' own speed while they worked (tokens per busy second, summed over services).
+    rows = getattr(session, "service_rows", None) or {}
+    summary["rollout_tokens_per_s"] = float(sum(r.get("tokens_per_s", 0.0) for r in rows.values()))
+    return summary
 
 
 def _e2e_figures(summary: dict[str, Any]) -> dict[str, Any]:
@@ -423,6 +427,7 @@ def _e2e_figures(summary: dict[str, Any]) -> dict[str, Any]:
             "train_time_s", "data_wait_fraction", "final_version", "n_heldout")
     out = {k: summary.get(k) for k in keys}
     out["steps_per_s"] = summary["steps"] / max(summary["train_time_s"], 1e-9)
+    out["rollout_tokens_per_s"] = summary.get("rollout_tokens_per_s")
     out["target"] = f"+{100 * summary['target_gain']:.0f} points held-out accuracy"
     return out
 
