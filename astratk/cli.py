@@ -25,8 +25,18 @@ Subcommands:
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+from astratk.config import dump_spec, load_spec, parse, parser
+from astratk.runtime.cluster import security as tls_security
+from astratk.runtime.run import Run
+from astratk.runtime.status import status_lines
+from astratk.spec import StartError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,15 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     if argv[0] in ("-V", "--version"):
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             print(f"astratk {version('astratk')}")
         except PackageNotFoundError:  # a source tree on sys.path, not installed
             print("astratk (not installed: pip install -e .)")
         return 0
     command, rest = argv[0], argv[1:]
-    import os
 
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` does (module docstring)
         sys.path.insert(0, os.getcwd())
@@ -66,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse_spec(argv: list[str], command: str) -> Any:
     """The RunSpec of `argv`, or None after printing the error (which names the offending key)."""
-    from astratk.config import parse
 
     try:
         return parse(argv)
@@ -98,8 +104,6 @@ def _deploy(argv: list[str]) -> int:
         print("astratk deploy: cluster.scheduler_address is required (a running `dask scheduler`); "
               "for a self-contained local job use `astratk run`", file=sys.stderr)
         return 2
-    from astratk.runtime.run import Run
-    from astratk.spec import StartError
 
     try:
         Run(spec).serve(name or spec.name)
@@ -114,10 +118,8 @@ def _train(argv: list[str]) -> int:
         print("usage: astratk train fit --run_config RUN.yaml --policy_id P --deployment NAME --scheduler ADDR "
               "[--trainer.* ...] (`astratk train fit --help` lists everything)")
         return 0
-    import warnings
 
     from astratk.runtime.trainer_job import check_job, job_summary, train_cli
-    from astratk.spec import StartError
 
     try:
         if argv[0] == "fit" and not {"-h", "--help", "--print_config"} & set(argv):
@@ -147,8 +149,6 @@ def _flags(argv: list[str], names: tuple[str, ...]) -> dict[str, str]:
 
 
 def _status(argv: list[str]) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="astratk status", description="Deployments on a Dask scheduler and the "
                                 "state of their data layers.")
     p.add_argument("--scheduler", required=True, help="the scheduler's address (tcp://host:8786)")
@@ -159,14 +159,10 @@ def _status(argv: list[str]) -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    from astratk.runtime.status import status_lines
 
     try:
         security = None
         if args.config:
-            from astratk.config import load_spec
-            from astratk.runtime.cluster import security as tls_security
-
             security = tls_security(load_spec(args.config, []))
         for line in status_lines(args.scheduler, args.name, args.timeout, security):
             print(line)
@@ -177,12 +173,8 @@ def _status(argv: list[str]) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from astratk.config import parse, parser
-
     if not argv or any(a in ("-h", "--help", "--print_config") for a in argv):
         if "--print_config" in argv:
-            from astratk.config import dump_spec
-
             argv = [a for a in argv if a != "--print_config"]
             try:
                 print(dump_spec(parse(argv)))
@@ -195,8 +187,6 @@ def _run(argv: list[str]) -> int:
     spec = _parse_spec(argv, "run")
     if spec is None:
         return 2
-    from astratk.runtime.run import Run
-    from astratk.spec import StartError
 
     try:
         result = Run(spec).start()
@@ -227,8 +217,7 @@ def _probe(argv: list[str]) -> int:
     spec = _parse_spec(argv, "probe")
     if spec is None:
         return 2
-    from astratk.runtime.probe import probe
-    from astratk.spec import StartError
+    from astratk.runtime.probe import probe  # loads torch and transformers
 
     try:
         report = probe(spec, counts["--tasks"], eval_tasks=counts["--eval_tasks"])
@@ -249,8 +238,6 @@ def _stopped_early(command: str, summary: dict[str, Any]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(
         prog="astratk export", description="Write a trained policy as an HF model directory (model + tokenizer) "
         "that transformers, vLLM and `model.path` of a new run load.")

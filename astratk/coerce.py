@@ -24,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+
+from astratk.registry import resolve
 
 # Plug-in base classes (by name, so this module imports none of them) -> their registry kind.
 _PLUGIN_KINDS = {"Env": "env", "PolicyLoss": "loss", "TokenCorrection": "correction", "Curator": "stage",
@@ -116,7 +119,6 @@ def _section(value: Any, cls: type, key: str) -> Any:
 def _plugin(value: Any, base: type, key: str) -> Any:
     """A plug-in instance from itself, a short name / dotted path (constructed with its defaults) or a
     {class_path, init_args} mapping, checked to be a `base`."""
-    from astratk.registry import resolve
 
     kind = _PLUGIN_KINDS[base.__name__]
     if isinstance(value, str):
@@ -174,8 +176,6 @@ def _scalar(value: Any, hint: Any, key: str) -> Any:
 
 def _type_hints(cls: type) -> dict[str, Any]:
     if cls not in _hints:
-        import sys
-
         _hints[cls] = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
     return _hints[cls]
 

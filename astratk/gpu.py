@@ -13,7 +13,7 @@
   worker's own GPU is its `cuda:0`). Why not dask-cuda itself: no release of it installs beside this project's Dask
   (dask-cuda 26.10 needs rapids-dask-dependency 26.10, which pins dask < 2026.7.2; the project pins 2026.8.0).
 
-torch is imported inside the functions: `astratk.validation` calls them for every spec.
+torch is imported inside the functions: `astratk.spec.rules` calls them for every spec.
 
 Example:
     >>> cuda_visible_devices(1, ["0", "1", "2"])
@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -178,7 +179,6 @@ def check_fit(index: int, shares: Sequence[tuple[str, float]]) -> None:
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs), in torch's order
     (entry i is cuda:i); all of the machine's when the variable is unset."""
-    import os
 
     import torch
 

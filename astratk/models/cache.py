@@ -35,9 +35,13 @@ from transformers.utils import logging as hf_logging
 import astratk.models.warm_start as ws
 from astratk.config import to_plain as plain_config  # the class_path / init_args view of a plug-in instance
 from astratk.contracts import Env
+from astratk.models.gguf import gguf_directory, resolve_gguf_file
+from astratk.models.hub import resolve
+from astratk.models.pypi import resolve_pypi
 from astratk.models.tiny import build_tiny_model, check_tiny_spec
 from astratk.models.tokenizer import IM_END, build_char_tokenizer, save_char_tokenizer
 from astratk.spec import ModelSpec, TinyModelSpec
+from astratk.spec.model import cache_root, is_pypi_path
 
 KIT_VERSION = 1  # bump when the tokenizer, the model builder or the warm-start recipe changes
 MARKER = "warm_start.json"  # written last: its presence means the directory is a complete model
@@ -48,11 +52,6 @@ def model_key(tiny: TinyModelSpec, env: Env) -> str:
     content = {"kit_version": KIT_VERSION, "tiny": dataclasses.asdict(tiny), "env": plain_config(env)}
     canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, else $ASTRATK_CACHE, else ~/.cache/astratk."""
-    return Path(cache_dir or os.environ.get("ASTRATK_CACHE") or "~/.cache/astratk").expanduser()
 
 
 def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike | None = None,
@@ -66,15 +65,10 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
     """
     model_spec.validate(key)  # a user path must hold config.json; the error names the path
     if model_spec.is_gguf:
-        from astratk.models.gguf import gguf_directory, resolve_gguf_file
-
         file = resolve_gguf_file(model_spec.path, model_spec.gguf_file, model_spec.revision, key=key,
                                  cache_dir=cache_dir or model_spec.cache_dir)
         return gguf_directory(file, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir, log=log)
     if model_spec.path is not None:
-        from astratk.models.hub import resolve
-        from astratk.models.pypi import is_pypi_path, resolve_pypi
-
         path = model_spec.path
         if is_pypi_path(path):  # a model directory shipped in a wheel
             path = str(resolve_pypi(path, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir))

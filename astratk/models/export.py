@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
-from astratk import __version__
+from astratk._version import __version__
 from astratk.spec import LoraSpec
 
 PROVENANCE = "astratk_export.json"
@@ -165,8 +166,6 @@ def _umask() -> int:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 

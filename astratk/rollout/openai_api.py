@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astratk.contracts import Completion, GenerationRequest, SamplingParams
-from astratk.models.chat import stop_token_ids
+from astratk.models.chat import _TOOL_CALL, ChatTurns, parse_tool_call, stop_token_ids
 
 MAX_N = 128
 MAX_STOP = 4
@@ -229,7 +229,6 @@ def parse_request(body: Any, default_max_tokens: int) -> _Parsed:
 
 def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content before the first call or None, OpenAI tool_calls) of a generation with Hermes/Qwen-style calls."""
-    from astratk.models.chat import _TOOL_CALL, parse_tool_call
 
     calls, kept, end = [], [], 0
     for match in _TOOL_CALL.finditer(text):
@@ -554,8 +553,6 @@ class OpenAIEndpoint:
 
     # --------------------------------------------------------------------------------------------- prompts
     def _chat_turns(self, tok: Any) -> Any:
-        from astratk.models.chat import ChatTurns
-
         entry = self._turns_api.get(id(tok))
         if entry is None or entry[0] is not tok:
             entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok))

@@ -16,10 +16,12 @@ a `distributed.client.security-loader`; a `tls://` address with neither fails at
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from astratk.spec import ClusterSpec, RunSpec
+from astratk.spec import RunSpec
+from astratk.spec.cluster import check_tls
 
 
 def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
@@ -38,7 +40,6 @@ def count_workers(client: Any, resources: list[str]) -> int:
 
 def wait_for_workers(client: Any, resources: list[str], n: int, timeout: float) -> None:
     """Block until `n` workers carry every label in `resources`; the error names the labels it waited for."""
-    import time
 
     deadline = time.monotonic() + timeout
     while True:
@@ -52,46 +53,6 @@ def wait_for_workers(client: Any, resources: list[str], n: int, timeout: float) 
 
 
 # ------------------------------------------------------------------------------------------ an existing scheduler
-def check_tls(c: ClusterSpec) -> None:
-    """Cross-field TLS rules; raise ValueError naming the key and the fix. `cluster.tls` needs a `tls://` address and
-    existing files; a `tls://` address needs `cluster.tls` or TLS client credentials in Dask's config."""
-    address = c.scheduler_address or ""
-    if c.tls is None:
-        if address.startswith("tls://") and not dask_config_has_tls():
-            raise ValueError(
-                f"cluster.scheduler_address {address!r} is a TLS scheduler but this client has no certificates: set "
-                "cluster.tls: {ca_file: ca.pem, cert: client.pem, key: client.key} (PEM files signed by the cluster's "
-                "CA), or Dask's DASK_DISTRIBUTED__COMM__TLS__CA_FILE, __CLIENT__CERT and __CLIENT__KEY before "
-                "starting (docs/cluster.md)")
-        return
-    if not address.startswith("tls://"):
-        got = "null (a local cluster, which has no TLS)" if not address else repr(address)
-        raise ValueError(f"cluster.tls is set but cluster.scheduler_address is {got}: give the tls://HOST:PORT address "
-                         "that `dask scheduler --protocol tls ...` prints (`Scheduler at: tls://...`), or remove "
-                         "cluster.tls")
-    for name in ("ca_file", "cert", "key"):
-        path = getattr(c.tls, name)
-        if path is None and name == "key":  # Dask reads a key appended to the certificate file
-            continue
-        if not path or not Path(path).expanduser().is_file():
-            what = {"ca_file": "the CA certificate that signed the scheduler's and workers' certificates",
-                    "cert": "this client's certificate, signed by that CA",
-                    "key": "the private key of cluster.tls.cert (or null when it is appended to the certificate)"}
-            raise ValueError(f"cluster.tls.{name}: no file {path!r}; give the PEM file of {what[name]}")
-
-
-def dask_config_has_tls() -> bool:
-    """Whether `distributed.Client` would find TLS client credentials in Dask's config on its own: a CA and a client
-    certificate (what `Security` needs to build an SSL context), or a security loader."""
-    import dask
-
-    def get(key: str) -> Any:
-        return dask.config.get(key, default=None)
-
-    tls = bool(get("distributed.comm.tls.ca-file") and get("distributed.comm.tls.client.cert"))
-    return tls or bool(get("distributed.client.security-loader"))
-
-
 def security(spec: RunSpec) -> Any:
     """The `distributed.Security` for `cluster.tls` (client role, encryption required), or None, which lets
     `distributed.Client` use Dask's config or security loader (see the module docstring)."""

@@ -49,6 +49,7 @@ from distributed.core import Status
 from distributed.http.routing import RoutingApplication
 from distributed.utils import NoOpAwaitable
 
+from astratk.gpu import cuda_visible_devices, rollout_gpus
 from astratk.rollout.hardware import SimulatedHardware, worker_hardware
 from astratk.spec import SCORE_LABEL, WorkerClass
 
@@ -96,7 +97,6 @@ def pool_classes(spec: RunSpec) -> list[WorkerClass]:
 
 def worker_gpus(spec: RunSpec) -> list[str]:
     """CUDA_VISIBLE_DEVICES of each rollout worker `rollout-{i}` under `cluster.rollout_gpus` ([] when unset)."""
-    from astratk.gpu import cuda_visible_devices, rollout_gpus
 
     if spec.cluster.rollout_gpus is None:
         return []

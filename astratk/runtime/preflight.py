@@ -10,6 +10,8 @@ line that names the worker, the module and how to make it importable.
 
 from __future__ import annotations
 
+import pickle
+import sys
 from typing import Any
 
 from astratk.spec import StartError
@@ -17,7 +19,6 @@ from astratk.spec import StartError
 
 def _load(blob: bytes) -> str | None:
     """On a worker: None when the env unpickles; else the error, with the missing module's name when known."""
-    import pickle
 
     try:
         pickle.loads(blob)
@@ -30,7 +31,6 @@ def _load(blob: bytes) -> str | None:
 
 def check_env_loads(client: Any, env: Any, timeout_s: float) -> None:
     """Unpickle `env` on every worker of `client`'s cluster; `StartError` naming the first that cannot."""
-    import sys
 
     import cloudpickle
 

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
+import html
 import math
 import tempfile
 import time
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astratk.dataflow.learning_signal import SignalReading, advice, describe
+from astratk.models import ensure_model
+from astratk.records import Lease, RunContext
 
 
 @dataclass
@@ -70,8 +74,6 @@ class ProbeReport:
         return "\n".join(rows)
 
     def _repr_html_(self) -> str:
-        import html
-
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
@@ -87,7 +89,6 @@ def probe(spec: Any, n_tasks: int = 32, *, printer: Callable[[str], None] = prin
     """Roll out `n_tasks` train tasks (group_size samples each) and evaluate `eval_tasks` held-out tasks greedily
     (default `n_tasks`), in this process; see the module docstring. Runs on a thread of its own: the rollout
     service runs its episodes on an event loop, and a notebook's thread has one running already."""
-    import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="astratk-probe") as pool:
         return pool.submit(_probe, spec, n_tasks, printer, eval_tasks).result()
@@ -97,8 +98,6 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     import torch
 
     from astratk import cpu
-    from astratk.models import ensure_model
-    from astratk.records import Lease, RunContext
     from astratk.rollout.service import RolloutService
     from astratk.runtime.deploy import publish_initial
     from astratk.weights.store import WeightStore

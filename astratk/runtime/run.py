@@ -14,7 +14,9 @@ Example:
 from __future__ import annotations
 
 import datetime
+import html
 import json
+import shutil
 import threading
 import time
 import uuid
@@ -24,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astratk.spec import RunSpec
+from astratk.config import dump_spec, load_spec
+from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
+from astratk.models.hub import is_hub_id, resolve
+from astratk.models.pypi import is_pypi_path, resolve_pypi
+from astratk.runtime.view import LiveView, render
+from astratk.spec import RunSpec, StartError
 
 
 @dataclass
@@ -44,8 +51,6 @@ class RunResult:
                 f"{s.get('accuracy_after', float('nan')):.3f})")
 
     def _repr_html_(self) -> str:
-        import html
-
         rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(f'{v:.4g}' if isinstance(v, float) else str(v))}"
                        "</td></tr>" for k, v in self.summary.items())
         files = "".join(f"<li>{html.escape(k)}: <code>{html.escape(str(v))}</code></li>" for k, v in self.files.items())
@@ -59,6 +64,11 @@ class Run:
 
     def __init__(self, spec: RunSpec, printer: Callable[[str], None] = print) -> None:
         self.spec = spec.validate()
+        from astratk.runtime.checks import check_lora, check_resume  # loads torch: after the spec's own checks
+
+        check_lora(self.spec)
+        if self.spec.resume_from:
+            check_resume(self.spec)
         self.printer = printer
         self.log_lines: deque[str] = deque(maxlen=500)  # every line the run printed, newest last
         self.quiet = False  # set while a live view shows the lines instead (astratk.runtime.view)
@@ -77,7 +87,6 @@ class Run:
     def view(self, every_s: float = 2.0) -> Any:
         """Show the run in the notebook, updated in place every `every_s` seconds until it ends
         (`astratk.runtime.view`); its log lines go there too. Returns the view (`stop()` ends the updates)."""
-        from astratk.runtime.view import LiveView
 
         return LiveView(self, every_s).show()
 
@@ -92,8 +101,6 @@ class Run:
 
     @classmethod
     def from_config(cls, path: str | Path, *overrides: str, printer: Callable[[str], None] = print) -> Run:
-        from astratk.config import load_spec
-
         return cls(load_spec(path, list(overrides)), printer=printer)
 
     def __repr__(self) -> str:
@@ -126,8 +133,8 @@ class Run:
             self._ready.set()
 
     def _run(self, serve_as: str | None = None) -> RunResult:
+        from astratk.runtime.checks import check_gpu_memory, check_output_dir
         from astratk.runtime.session import Session
-        from astratk.validation import check_gpu_memory, check_output_dir
 
         spec = self.spec
         started = time.time()
@@ -137,7 +144,6 @@ class Run:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"
         made = _make_dirs(run_dir)
-        from astratk.config import dump_spec
 
         header = "".join(f"# {pid}: Hub {m['repo_id']}@{m['revision']} resolved to {m['directory']}\n"
                          for pid, m in models.items() if m["repo_id"])
@@ -169,7 +175,6 @@ class Run:
         """Each policy's model source. Hub ids are resolved (downloaded unless cached) and their revision pinned
         to the commit found, so the run's config.yaml names exactly what it trained; the tiny model is built
         later, by the session."""
-        from astratk.models.hub import is_hub_id, resolve
 
         out: dict[str, dict[str, Any]] = {}
         for i, p in enumerate(self.spec.policies):
@@ -180,7 +185,6 @@ class Run:
             if m.is_gguf:  # dequantized (once per file content) before the run writes anything
                 out[p.policy_id] = self._resolve_gguf(m, f"policies[{i}].model")
                 continue
-            from astratk.models.pypi import is_pypi_path, resolve_pypi
 
             local = (str(resolve_pypi(m.path, key=f"policies[{i}].model.path", cache_dir=m.cache_dir))
                      if is_pypi_path(m.path) else m.path)
@@ -188,13 +192,12 @@ class Run:
             if is_hub_id(m.path):
                 self.print(f"model for {p.policy_id!r}: Hub {m.path}@{resolved.revision} -> {resolved.directory}")
                 m.revision = resolved.revision
+            if is_hub_id(m.path) or is_pypi_path(m.path):
                 _check_lora(m, f"policies[{i}].model", resolved.directory)
             out[p.policy_id] = resolved.as_record()
         return out
 
     def _resolve_gguf(self, m: Any, key: str) -> dict[str, Any]:
-        from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
-
         file = resolve_gguf_file(m.path, m.gguf_file, m.revision, key=key, cache_dir=m.cache_dir)
         directory = gguf_directory(file, key=f"{key}.path", cache_dir=m.cache_dir, log=self.print)
         _check_lora(m, key, directory)
@@ -205,7 +208,7 @@ class Run:
         """Before starting: will this run's rollouts carry learning signal? `n_tasks` train tasks rolled out as the
         run would (group size, temperature, token budget, engine) in this process, and greedy held-out accuracy;
         returns a `ProbeReport` (printable; shown in a notebook) with what to change (`astratk.runtime.probe`)."""
-        from astratk.runtime.probe import probe
+        from astratk.runtime.probe import probe  # loads torch and transformers
 
         return probe(self.spec, n_tasks, printer=self.print, eval_tasks=eval_tasks)
 
@@ -290,8 +293,6 @@ class Run:
         return out
 
     def _repr_html_(self) -> str:
-        from astratk.runtime.view import render
-
         return render(self)
 
     def _finish(self, run_dir: Path, session: Any, summary: dict[str, Any]) -> RunResult:
@@ -347,7 +348,6 @@ def _make_dirs(run_dir: Path) -> list[Path]:
 def _remove_dirs(made: list[Path]) -> None:
     """Undo `_make_dirs` after a failed set-up: the run directory and what set-up wrote in it, then each parent made
     for it that is still empty (another run may have put its own directory there meanwhile)."""
-    import shutil
 
     if made:
         shutil.rmtree(made[0], ignore_errors=True)
@@ -377,11 +377,11 @@ def _first_step_s(session: Any, started: float) -> tuple[float | None, float | N
 
 
 def _check_lora(model: Any, key: str, directory: Any) -> None:
-    """A Hub model's LoRA target modules, once resolved (local ones are checked by `RunSpec.validate`)."""
+    """A Hub, GGUF or wheel model's LoRA target modules, once resolved (local ones are checked by `Run(spec)`:
+    `astratk.runtime.checks.check_lora`)."""
     if model.lora is None:
         return
     from astratk.models.lora import check_model_spec
-    from astratk.spec import StartError
 
     try:
         check_model_spec(model, key, directory)

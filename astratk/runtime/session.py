@@ -16,11 +16,17 @@ train together, each in its own `astratk train fit` process attached to this dep
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import logging
+import re
+import signal
 import threading
 import time
 import uuid
+import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +34,14 @@ from typing import Any
 
 import torch
 
-from astratk.records import Drop
+from astratk.config import read_yaml
+from astratk.models import ensure_model
+from astratk.records import Drop, RunContext
+from astratk.runtime.cluster import connect, start_local_cluster
+from astratk.runtime.starvation import StarvationMonitor
+from astratk.runtime.trainers import TrainerProcesses, trainer_dir
 from astratk.spec import RunSpec
+from astratk.training.loggers import log_run_metrics
 
 # The quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it.
 TARGET_GAIN = 0.15
@@ -41,8 +53,6 @@ Fit = Callable[[], dict[str, dict[str, Any]]]
 def _quiet_lightning() -> None:
     """Lightning sets its logger to INFO when imported (GPU/TPU availability, tips); a run prints
     its own progress."""
-    import logging
-    import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     # torch 2.13 + Lightning 2.6 warn about LeafSpec on every fit
@@ -100,12 +110,9 @@ def find_resume_point(spec: RunSpec, policy_id: str) -> ResumePoint:
     """The newest checkpoint of `policy_id` under `spec.resume_from` (a run directory) and its
     matching snapshot; errors name what is missing. Reads only, so validation runs it before a run
     writes anything."""
-    import re
-    import zipfile
 
     import fsspec
 
-    from astratk.config import read_yaml
     from astratk.dataflow.snapshots import SnapshotStore
 
     given = Path(spec.resume_from).expanduser().resolve()
@@ -150,8 +157,6 @@ def find_resume_point(spec: RunSpec, policy_id: str) -> ResumePoint:
 
 
 def _quiet_dask() -> None:
-    import logging
-
     logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
@@ -159,7 +164,6 @@ def _quiet_dask() -> None:
 def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
     """Inside: SIGTERM sets `stop` instead of ending the process (in the main thread only, the one
     that can install a handler)."""
-    import signal
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -214,7 +218,6 @@ class Session:
             raise
 
     def _set_up(self) -> Session:
-        from astratk.records import RunContext
         from astratk.rollout.service import _quiet_transformers
 
         _quiet_transformers()
@@ -261,7 +264,6 @@ class Session:
 
     def _build_models(self) -> None:
         """Every policy's starting model directory (built and warm-started, or from the cache)."""
-        from astratk.models import ensure_model
 
         for i, p in enumerate(self.spec.policies):
             t = time.perf_counter()
@@ -295,13 +297,10 @@ class Session:
         when `cluster.autoscale` is set)."""
         spec = self.spec
         if spec.cluster.scheduler_address:
-            from astratk.runtime.cluster import connect  # TLS from cluster.tls or Dask's config
-
             self.client = connect(spec)
         else:
             from distributed import Client
 
-            from astratk.runtime.cluster import start_local_cluster
 
             self.cluster = cluster = start_local_cluster(spec, processes=spec.cluster.processes)
             self._on_exit(cluster.close)
@@ -345,7 +344,6 @@ class Session:
         never stops the run."""
         if not self.trainer_loggers:
             return
-        from astratk.training.loggers import log_run_metrics
 
         try:
             log_run_metrics(self.trainer_loggers, metrics, step, flush=flush)
@@ -412,7 +410,6 @@ class Session:
     def request_stop(self) -> None:
         """Trainers finish their current step and stop (a STOP file each: in-process and trainer
         processes alike)."""
-        from astratk.runtime.trainers import trainer_dir
 
         for p in self.spec.policies:
             d = trainer_dir(self.run_dir, p.policy_id)
@@ -495,7 +492,6 @@ class Session:
 
     def _start_starvation_monitor(self) -> Any:
         """Explains, while it happens, a trainer waiting while groups are dropped (`astratk.runtime.starvation`)."""
-        from astratk.runtime.starvation import StarvationMonitor
 
         streams = {self.spec.policies[0].policy_id: self.stream} if self.stream is not None else {}
         return StarvationMonitor(self.spec, self.deployment.datalayer, self.print, streams=streams,
@@ -521,7 +517,6 @@ class Session:
     def _first_evaluation(self, future: Any, version: int) -> dict[str, float]:
         """The first version's evaluation, waited for once training is over (eval.timeout_s at most); a failed one is
         recorded with accuracy NaN, so that the run still writes what it gathered."""
-        import concurrent.futures
 
         try:
             return future.result(timeout=self.spec.eval.timeout_s)
@@ -560,7 +555,6 @@ class Session:
         each, attached to this deployment."""
         if len(self.spec.policies) == 1:
             return self._trainer_here(self.spec.policies[0].policy_id)
-        from astratk.runtime.trainers import TrainerProcesses
 
         procs = TrainerProcesses(self.spec, self.run_dir, self.deployment_name,
                                  self.client.scheduler.address, self.print)
@@ -569,7 +563,6 @@ class Session:
     def _trainer_here(self, policy_id: str) -> Fit:
         """The policy's trainer in this process (`astratk.training.build`), continuing from the
         resume point's checkpoint when resuming."""
-        from astratk.runtime.trainers import trainer_dir
         from astratk.training import build
 
         _quiet_lightning()

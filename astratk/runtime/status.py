@@ -6,14 +6,15 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from astratk.dataflow.client import DataLayerClient
+from astratk.runtime import registry
+from astratk.spec.cluster import dask_config_has_tls
+
 
 def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.0, security: Any = None
                  ) -> Iterator[str]:
     from distributed import Client
 
-    from astratk.dataflow.client import DataLayerClient
-    from astratk.runtime import registry
-    from astratk.runtime.cluster import dask_config_has_tls
 
     if scheduler.startswith("tls://") and security is None and not dask_config_has_tls():
         # distributed would fail deep in its TLS connector with a TypeError

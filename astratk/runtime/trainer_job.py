@@ -30,10 +30,15 @@ from typing import Any
 
 import torch
 
+from astratk.config import load_spec
+from astratk.runtime import registry
+from astratk.runtime.cluster import security
 from astratk.spec import StartError
+from astratk.spec.cluster import dask_config_has_tls
 from astratk.training import build
 from astratk.training._pl import pl
 from astratk.training.data import GroupStream, RolloutDataModule
+from astratk.training.loggers import log_config
 from astratk.training.module import PolicyModule
 
 _CLIENTS: dict[str | None, Any] = {}
@@ -46,7 +51,6 @@ def _client(scheduler: str | None, spec: Any, timeout_s: float | None = None) ->
     A scheduler it cannot reach is a `StartError` naming the address (one line from the CLI)."""
     from distributed import Client, default_client
 
-    from astratk.runtime.cluster import dask_config_has_tls, security
 
     timeout_s = spec.cluster.startup_timeout_s if timeout_s is None else timeout_s
     scheduler = scheduler or spec.cluster.scheduler_address
@@ -76,7 +80,6 @@ def _client(scheduler: str | None, spec: Any, timeout_s: float | None = None) ->
 def _policy_spec(run_config: str, policy_id: str) -> Any:
     """The run config, checked, and holding `policy_id`; a `StartError` naming the file or key
     otherwise."""
-    from astratk.config import load_spec
 
     try:
         spec = load_spec(run_config, [])
@@ -103,7 +106,6 @@ def check_job(flags: dict[str, str]) -> None:
 def _fetch(client: Any, deployment: str, timeout_s: float, attach: bool = False) -> Any:
     """The deployment's registry entry (`attach`: and a data-layer handle); one that does not
     appear is a `StartError` naming it."""
-    from astratk.runtime import registry
 
     try:
         return (registry.attach if attach else registry.fetch)(client, deployment, timeout_s)
@@ -307,8 +309,6 @@ def train_cli(args: list[str] | None = None, run: bool = True) -> Any:
             cfg = self.config[self.subcommand] if self.subcommand else self.config
             # No --trainer.logger given: the policy's `trainer.loggers`.
             if cfg.trainer.get("logger") in (None, True):
-                from astratk.training.loggers import log_config
-
                 spec = _policy_spec(cfg.run_config, cfg.policy_id)
                 root = Path(cfg.trainer.get("default_root_dir") or os.getcwd())
                 kwargs["logger"] = build.loggers(spec.policy(cfg.policy_id).trainer, root)

@@ -23,7 +23,7 @@ Distributed data parallel: by default the denominators are this process's own co
 counts (`global_tokens` = total mask sum over ranks for `token-mean`, `global_seqs` = total sequences over ranks for the
 `seq-*` modes); the result is then this rank's share of the global mean, and since DDP *averages* gradients over ranks
 the caller multiplies it by the world size before `backward`, so the averaged gradient equals the global mean's.
-To add a mode: a name in `AGGREGATIONS`, a branch in `aggregate`, a hand-computed test in tests/unit.
+To add a mode: a name in `AGGREGATIONS` (`astratk.spec.trainer`), a branch in `aggregate`, a hand-computed test in tests/unit.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from __future__ import annotations
 import torch
 
 from astratk.registry import check_choice
-
-AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                                 "token-sum")
+from astratk.spec.trainer import AGGREGATIONS  # the names a config may give
 
 Count = int | float | torch.Tensor
 

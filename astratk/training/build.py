@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from astratk.dataflow.client import DataLayerClient
+from astratk.gpu import bf16_native
 from astratk.spec import RunSpec, TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.data import GroupStream, RolloutDataModule
+from astratk.training.loggers import log_config, make_loggers
+from astratk.training.memory import GpuMemoryShare
 from astratk.training.module import PolicyModule
-from astratk.training.recorder import StepRecorder
+from astratk.training.recorder import ProgressPrinter, StepRecorder, StopFile
 from astratk.weights.store import WeightStore
 
 
@@ -84,8 +87,6 @@ def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
     True
     """
     import torch
-
-    from astratk.gpu import bf16_native
 
     cuda = torch.cuda.is_available()
     if ts.accelerator in ("gpu", "cuda") and not cuda:
@@ -181,7 +182,6 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     its publication's metrics."""
     from astratk.training.divergence import DivergenceGuard
     from astratk.training.publish import WeightPublisher
-    from astratk.training.recorder import ProgressPrinter, StopFile
 
     recorder = StepRecorder(stream, extra=extra)
     ts = spec.policy(policy_id).trainer
@@ -196,8 +196,6 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     if spec.progress and progress:
         out.append(ProgressPrinter(recorder, status, printer=printer))
     if (fraction := spec.policy(policy_id).trainer.gpu_memory_fraction) is not None:
-        from astratk.training.memory import GpuMemoryShare
-
         out.append(GpuMemoryShare(fraction))  # on a GPU: this process's share (trainer.gpu_memory_fraction)
     return out, recorder
 
@@ -205,7 +203,6 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
 def loggers(ts: TrainerSpec, root: str | Path) -> Any:
     """The policy's Lightning loggers under `root/lightning`; False for none (not [], and not None,
     which would give Lightning's own default logger)."""
-    from astratk.training.loggers import make_loggers
 
     return make_loggers(ts.loggers, Path(root), "lightning") or False
 
@@ -270,7 +267,6 @@ def build_trainer(spec: RunSpec, policy_id: str, *, model_path: str, stream: Gro
     ckpt = checkpoint_args(ts, Path(run_dir) / "checkpoints" / policy_id)
     if ckpt is not None:
         steps.append(pl.callbacks.ModelCheckpoint(**ckpt))
-    from astratk.training.loggers import log_config
 
     made = loggers(ts, run_dir)
     log_config(made, spec)  # the whole resolved config, the loss's class and arguments included

@@ -31,20 +31,22 @@ Example:
     >>> loggers = make_loggers(["csv", "tensorboard"], Path("runs/demo"), "lightning")  # doctest: +SKIP
     >>> trainer = pl.Trainer(logger=loggers, log_every_n_steps=1)  # doctest: +SKIP
 
-Extending: write `_build_<name>(root, run_name) -> Logger` and add a `LoggerKind` to `LOGGERS`.
+Extending: write `_build_<name>(root, run_name) -> Logger`, add it to `BUILDERS`, and what it needs installed to
+`astratk.spec.trainer.LOGGERS`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
+import netrc
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from astratk.registry import check_choice
+from astratk.config import to_plain
+from astratk.spec.trainer import LOGGERS, check_loggers  # noqa: F401 - LOGGERS: re-exported
 
 DEFAULT = "astratk"  # W&B project and MLflow experiment when the environment names none
 
@@ -69,8 +71,6 @@ def wandb_logged_in() -> bool:
     `WANDB_BASE_URL`'s host, default api.wandb.ai)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    import netrc
-    from urllib.parse import urlparse
 
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
@@ -88,13 +88,6 @@ def _build_wandb(root: Path, run_name: str) -> Any:
                                             project=os.environ.get("WANDB_PROJECT", DEFAULT))
 
 
-def _check_mlflow() -> str | None:
-    if os.environ.get("MLFLOW_TRACKING_URI") or importlib.util.find_spec("sqlalchemy"):
-        return None
-    return ("its local store (a SQLite database: MLflow 3 refuses new file stores) needs the full mlflow package, "
-            "not mlflow-skinny: pip install mlflow, or set MLFLOW_TRACKING_URI to your tracking server")
-
-
 def _build_mlflow(root: Path, run_name: str) -> Any:
     experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT)
     uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
@@ -108,45 +101,19 @@ def _build_mlflow(root: Path, run_name: str) -> Any:
                                              artifact_location=artifacts)
 
 
-@dataclass(frozen=True)
-class LoggerKind:
-    build: Callable[[Path, str], Any]  # (root folder, run name) -> a Lightning Logger
-    modules: tuple[str, ...] = ()  # importable modules it needs (any one of them); () for none
-    install: str = ""  # the command that installs them
-    check: Callable[[], str | None] | None = None  # a further requirement: None when met, else what is missing + fix
-
-
-LOGGERS: dict[str, LoggerKind] = {
-    "csv": LoggerKind(_build_csv),
-    "tensorboard": LoggerKind(_build_tensorboard, ("tensorboard", "tensorboardX"), "pip install tensorboard"),
-    "wandb": LoggerKind(_build_wandb, ("wandb",), "pip install wandb"),
-    "mlflow": LoggerKind(_build_mlflow, ("mlflow",), "pip install mlflow", _check_mlflow),
+# name -> (root folder, run name) -> a Lightning Logger; the names and what each needs installed are the spec's
+# (`astratk.spec.trainer.LOGGERS`, checked by `check_loggers`).
+BUILDERS: dict[str, Callable[[Path, str], Any]] = {
+    "csv": _build_csv,
+    "tensorboard": _build_tensorboard,
+    "wandb": _build_wandb,
+    "mlflow": _build_mlflow,
 }
-
-
-def check_loggers(names: Sequence[str], key: str = "trainer.loggers") -> list[str]:
-    """`names` as a list, or a ValueError naming the bad entry and the fix: an unknown name (with the choices),
-    a repeated one, or one whose package is not installed (with the pip command)."""
-    if isinstance(names, str):
-        raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
-            f"{key}: expected a list of logger names, e.g. [{names!r}]; got the string {names!r}")
-    for i, name in enumerate(names):
-        check_choice("logger", name, LOGGERS, where=f"{key}[{i}]")
-        if name in names[:i]:
-            raise ValueError(f"{key}[{i}]: {name!r} is listed twice")
-        kind = LOGGERS[name]
-        if kind.modules and not any(importlib.util.find_spec(m) for m in kind.modules):
-            raise ValueError(f"{key}[{i}]: the {name!r} logger needs {' or '.join(kind.modules)}, which is not "
-                             f"installed here: {kind.install} (or drop {name!r} from {key})")
-        if kind.check is not None and (problem := kind.check()):
-            raise ValueError(f"{key}[{i}]: the {name!r} logger: {problem} (or drop {name!r} from {key})")
-    return list(names)
 
 
 def flat_config(spec: Any) -> dict[str, Any]:
     """The resolved run spec as dotted keys with plain values (`policies.0.loss.class_path`,
     `policies.0.loss.init_args.delta`, ...): what loggers accept as hyperparameters."""
-    from astratk.config import to_plain
 
     out: dict[str, Any] = {}
 
@@ -191,4 +158,4 @@ def make_loggers(names: Sequence[str], run_dir: Path, name: str) -> list[Any]:
     """One Lightning logger per name, writing under `run_dir / name` (table in the module docstring); [] for no
     names (Lightning then logs nothing; the run's metrics dataset does not depend on loggers)."""
     run_dir = Path(run_dir)
-    return [LOGGERS[n].build(run_dir / name, run_dir.name) for n in check_loggers(names)]
+    return [BUILDERS[n](run_dir / name, run_dir.name) for n in check_loggers(names)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from astratk import gpu
 from astratk.training._pl import pl
 
 
@@ -26,11 +27,9 @@ class GpuMemoryShare(pl.Callback):
         self._release: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from astratk.gpu import reserve_memory
-
         device = trainer.strategy.root_device
         if device.type == "cuda" and self._release is None:
-            self._release = reserve_memory(device, self.fraction, self)
+            self._release = gpu.reserve_memory(device, self.fraction, self)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._release is not None:

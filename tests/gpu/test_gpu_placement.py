@@ -93,8 +93,8 @@ def test_the_memory_budget_caps_batches_and_the_process(model_dir):
 
 
 def test_fractions_beyond_the_free_memory_fail_at_start():
+    from astratk.runtime.checks import check_gpu_memory
     from astratk.spec import PolicySpec, RolloutSpec, RunSpec, StartError, TrainerSpec
-    from astratk.validation import check_gpu_memory
 
     free, _ = torch.cuda.mem_get_info(0)
     spec = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(gpu_memory_fraction=0.6))],

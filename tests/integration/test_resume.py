@@ -71,12 +71,12 @@ def test_synchronous_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     last = full.run_dir / "checkpoints" / "main" / "step=4.ckpt"
     with pytest.raises(ValueError, match=r"at step 4, and policies\[0\]\.trainer\.max_steps is 4: nothing is left"):
-        sync_spec(tmp_path, "again", cache, steps=4, resume_from=str(last)).validate()
+        Run(sync_spec(tmp_path, "again", cache, steps=4, resume_from=str(last)))
     assert checkpoint_time_used(last) == 0.0  # no max_time_s: no Timer state
     same = sync_spec(tmp_path, "again", cache, steps=8, resume_from=str(last))
     same.weights.url = str(full.run_dir / "weights")
     with pytest.raises(ValueError, match="is the weight store of the run being resumed"):
-        same.validate()
+        Run(same)
 
 
 def test_asynchronous_resume_loses_and_duplicates_no_group(tmp_path):

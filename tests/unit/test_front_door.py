@@ -238,7 +238,7 @@ def test_train_fit_gives_up_on_an_unreachable_scheduler_after_startup_timeout_s(
 # ----------------------------------------------------------------------------------------------------- status
 
 def test_status_on_a_tls_address_without_certificates_is_one_line(capsys, monkeypatch):
-    from astratk.runtime import cluster
+    from astratk.spec import cluster
 
     monkeypatch.setattr(cluster, "dask_config_has_tls", lambda: False)  # whatever this machine's Dask config says
     line = one_line_error(capsys, ["status", "--scheduler", "tls://127.0.0.1:9", "--timeout", "2"])

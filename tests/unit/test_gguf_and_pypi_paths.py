@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from astratk.models.gguf import gguf_directory, inspect_gguf, resolve_gguf_file
-from astratk.models.pypi import is_pypi_path, parse, resolve_pypi
+from astratk.models.pypi import resolve_pypi
 from astratk.spec import ModelSpec, StartError
+from astratk.spec.model import is_pypi_path
+from astratk.spec.model import parse_pypi_path as parse
 
 gguf = pytest.importorskip("gguf")
 

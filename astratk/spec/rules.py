@@ -1,38 +1,37 @@
-"""`validate(spec)`: a `RunSpec`'s checks before anything starts; each error names the key to change
-and the fix.
+"""The rules between a `RunSpec`'s sections, run by `RunSpec.validate()` after each section has checked its own
+fields; each error names the key to change and the fix.
 
-`astratk.spec` holds plain dataclasses that check their own fields (`validate(key)`). This module
-runs those and adds what one dataclass cannot know:
-- rules between fields: every env role played by exactly one policy, `dataflow.mixing` naming the
-  env's sources, the synchronous mode's cluster and publish cadence, pool labels for every policy,
-  `rollout.group_size` >= 2 where groups of one cannot train (zero-variance filter, group advantages),
-  `weights.publish_dtype` against the engines' dtype;
-- what the machine has, for a local cluster (`astratk.gpu`): `rollout.engine_args.device` / `.dtype` (a GPU asked
-  for and absent, bf16 on a GPU without it), `cluster.rollout_gpus`; and, once a run starts (`check_gpu_memory`),
-  whether the memory fractions of everything that shares a GPU fit;
-- what the files say: `resume_from` (a checkpoint torch can read, its run's config, the snapshot paired with it:
-  `check_resume`, reading only), and, once a run starts, `output_dir` (`check_output_dir`);
-- names that other modules own, asked of their owner: `trainer.aggregation`
-  (`astratk.training.aggregation`), `trainer.loggers` (`astratk.training.loggers.check_loggers`),
-  `dataflow.advantage` (`astratk.dataflow.advantages.get_advantage`), `rollout.engine`
-  (`astratk.registry`, and vLLM's install hint from `astratk.engines`), `cluster.tls`
-  (`astratk.runtime.cluster.check_tls`, which `connect` runs too).
+In the order a run needs them: the run's own fields (name, metrics cadence, the env, at least one policy); each
+policy (its sections, the env roles it plays, its trainer's names); the rollout engine (known, installed, able to
+apply LoRA adapters where a policy has them); the data layer (its advantage and mixing against the env, group sizes
+that can train); the cluster (TLS credentials, pools carrying every policy's label); the synchronous mode's needs;
+the weights (a lag the store and the staleness bound allow) and the engines' placement and dtype on this machine
+(`astratk.gpu`: for a local cluster, a GPU asked for and absent, bf16 on a GPU without it).
 
-The owners are imported inside the checks: some load torch or Dask, and `RunSpec.validate()` imports
-this module when it runs, so the spec stays a light leaf and no import cycle runs through it.
-
-Extending: a rule about one dataclass's own fields goes to its `validate` in `astratk.spec`; a rule
-between fields, or about a name a module owns, goes here (the owner exposing the check, this module
-calling it).
+Only what the spec says, and this machine's packages and GPUs, are read here. What needs the files a run starts from
+(a checkpoint to resume, the model's layers for LoRA, a writable output directory, room on each GPU) is checked as
+the run starts (`astratk.runtime.checks`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
+from astratk import gpu
+from astratk._addons import VLLM_INSTALL_HINT
 from astratk.contracts import Env
-from astratk.registry import REGISTRY, resolve_path
-from astratk.spec import SCORE_LABEL, ClusterSpec, DataflowSpec, PolicySpec, RunSpec, TrainerSpec
+from astratk.dataflow.advantages import get_advantage, needs_group
+from astratk.dataflow.stages.filters import ZeroVariance
+from astratk.registry import REGISTRY, resolve, resolve_path
+from astratk.spec.cluster import SCORE_LABEL, check_tls
+from astratk.spec.trainer import AGGREGATIONS, check_loggers
+
+if TYPE_CHECKING:
+    from astratk.spec.cluster import ClusterSpec
+    from astratk.spec.dataflow import DataflowSpec
+    from astratk.spec.run import PolicySpec, RunSpec
+    from astratk.spec.trainer import TrainerSpec
 
 
 def validate(spec: RunSpec) -> RunSpec:
@@ -57,7 +56,6 @@ def validate(spec: RunSpec) -> RunSpec:
         p.validate(key)
         check_roles(p, key, env, seen)
         check_trainer_names(p.trainer, f"{key}.trainer")
-        check_lora(p, key)
     missing = [r for r in env.roles if r not in seen]
     if missing:
         raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them "
@@ -83,8 +81,6 @@ def validate(spec: RunSpec) -> RunSpec:
                          f"run {engine_dtype!r} (rollout.engine_args.dtype): every sync would "
                          "fetch a delta the engine refuses and then the full state; publish in the "
                          "engines' dtype")
-    if spec.resume_from:
-        check_resume(spec)
     return spec
 
 
@@ -93,40 +89,6 @@ def check_name(name: str) -> None:
     if not isinstance(name, str) or not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError(f"name: {name!r} must be a non-empty name without '/' or '\\' (it names the run "
                          "directory <output_dir>/<name>-<time>), e.g. quickstart")
-
-
-def check_resume(spec: RunSpec) -> None:
-    """`resume_from` names a checkpoint, its run's config and the data-layer snapshot paired with it
-    (`astratk.runtime.session.find_resume_point`, which only reads), so that a run that cannot resume fails before
-    it writes anything."""
-    if len(spec.policies) > 1:
-        raise ValueError("resume_from: resuming a multi-policy run is not supported yet; resume each policy's "
-                         "trainer with `astratk train fit --ckpt_path ...` against a deployment restored from its "
-                         "snapshot")
-    from astratk.runtime.session import find_resume_point
-
-    try:
-        point = find_resume_point(spec, spec.policies[0].policy_id)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a garbage index or config too
-        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e)
-        raise ValueError(message if message.startswith("resume_from") else
-                         f"resume_from: {spec.resume_from!r} cannot be resumed: {message}") from None
-    from astratk.runtime.session import checkpoint_time_used, same_store
-
-    ts, key = spec.policies[0].trainer, "policies[0].trainer"
-    if point.step >= ts.max_steps:
-        raise ValueError(f"resume_from: the checkpoint is at step {point.step}, and {key}.max_steps is "
-                         f"{ts.max_steps}: nothing is left to train; raise {key}.max_steps (it counts the steps "
-                         "before the checkpoint too)")
-    if ts.max_time_s is not None and (used := checkpoint_time_used(point.checkpoint)) >= ts.max_time_s:
-        raise ValueError(f"resume_from: the checkpoint has already trained for {used:.0f} s, and {key}.max_time_s "
-                         f"is {ts.max_time_s:g}: nothing is left to train; raise {key}.max_time_s (it counts the "
-                         "training time before the checkpoint too) or set it to null to train to max_steps")
-
-    if spec.weights.url and same_store(spec.weights.url, point.store_url):
-        raise ValueError(f"weights.url: {spec.weights.url!r} is the weight store of the run being resumed; the "
-                         "resumed run writes its own (leave weights.url unset for <run dir>/weights, or give a new "
-                         "location), so that the run it continues keeps every version it published")
 
 
 def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None:
@@ -142,27 +104,8 @@ def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None
         seen[role] = p.policy_id
 
 
-def check_lora(p: PolicySpec, key: str) -> None:
-    """`model.lora.target_modules` against the model's layers (`astratk.models.lora`), from its
-    config alone, for the tiny model and local directories; a Hub id is checked once the run has
-    resolved it (`astratk.runtime.run`), and every model again when its adapters are made."""
-    if p.model.lora is None:
-        return
-    from astratk.models.hub import is_hub_id
-
-    if p.model.path is not None and (p.model.is_gguf or is_hub_id(p.model.path)):
-        return  # checked once the run has resolved (downloaded, dequantized) it
-    from astratk.models.lora import check_model_spec
-
-    check_model_spec(p.model, f"{key}.model")
-
-
 def check_trainer_names(t: TrainerSpec, key: str) -> None:
-    """`aggregation` and `loggers` name entries of the trainer's tables (importing them loads
-    torch)."""
-    from astratk.training.aggregation import AGGREGATIONS
-    from astratk.training.loggers import check_loggers
-
+    """`aggregation` and `loggers` name entries of the trainer's tables."""
     if t.aggregation not in AGGREGATIONS:
         raise ValueError(f"{key}.aggregation: unknown {t.aggregation!r}; choose one of "
                          f"{sorted(AGGREGATIONS)}")
@@ -174,16 +117,12 @@ def check_engine(name: str, key: str = "rollout.engine") -> None:
     client's environment)."""
     path = resolve_path("engine", name)
     if path == REGISTRY["engine"]["vllm"] and importlib.util.find_spec("vllm") is None:
-        from astratk.engines._vllm_compat import INSTALL_HINT
-
-        raise ValueError(f"{key}: {name!r} needs vLLM, which is not installed here: {INSTALL_HINT}")
+        raise ValueError(f"{key}: {name!r} needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
 
 
 def check_engine_adapters(name: str, lora_key: str, key: str = "rollout.engine") -> None:
     """An engine that serves LoRA policies must apply adapters (`add_adapter`:
     `astratk.engines.adapters`)."""
-    from astratk.registry import resolve
-
     cls = resolve("engine", name)
     if not callable(getattr(cls, "add_adapter", None)):
         raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
@@ -193,8 +132,6 @@ def check_engine_adapters(name: str, lora_key: str, key: str = "rollout.engine")
 
 def check_dataflow(d: DataflowSpec, env: Env, key: str = "dataflow") -> None:
     """The advantage is a known one, and `mixing` gives one ratio per source of the env."""
-    from astratk.dataflow.advantages import get_advantage
-
     try:
         get_advantage(d.advantage)
     except ValueError as e:
@@ -218,9 +155,6 @@ def check_group_size(spec: RunSpec, key: str = "rollout.group_size") -> None:
     and no zero-variance filter."""
     if spec.rollout.group_size >= 2:
         return
-    from astratk.dataflow.advantages import get_advantage, needs_group
-    from astratk.dataflow.stages.filters import ZeroVariance
-
     d, n = spec.dataflow, spec.rollout.group_size
     if d.filter_zero_variance or any(isinstance(f, ZeroVariance) for f in d.filters):
         raise ValueError(f"{key} is {n}: every group of one sample has zero reward variance, so the zero-variance "
@@ -236,10 +170,7 @@ def check_cluster(c: ClusterSpec, policies: list[str], key: str = "cluster") -> 
     """TLS credentials (the runtime's check), and local pools that carry every policy's rollout
     label and the score label."""
     if c.tls is not None or (c.scheduler_address or "").startswith("tls://"):
-        # the one TLS check; connect() runs it too
-        from astratk.runtime.cluster import check_tls
-
-        check_tls(c)
+        check_tls(c)  # the one TLS check; connect() runs it too
     if c.pools and c.scheduler_address is None:
         labels = [f"rollout_{p}" for p in policies] + [SCORE_LABEL]
         missing = [r for r in labels
@@ -261,8 +192,6 @@ def check_engine_placement(spec: RunSpec, key: str = "rollout.engine_args") -> s
     when the workers start here (`astratk.gpu`), only their form otherwise (a cluster's workers have
     their own GPUs); and `cluster.rollout_gpus` against the GPUs here. Returns the dtype the
     engines will run (None: not known here: auto on a cluster of your own)."""
-    from astratk import gpu
-
     args = spec.rollout.engine_args
     if spec.cluster.rollout_gpus is not None and _local(spec):
         gpu.rollout_gpus(spec.cluster.rollout_gpus)  # they exist here
@@ -297,9 +226,7 @@ def check_synchronous(spec: RunSpec) -> None:
     c = spec.cluster
     workers = sum(wc.count for wc in c.pools) if c.pools else c.rollout_workers
     if c.rollout_gpus is not None:  # one worker per GPU (a local cluster only: ClusterSpec.validate)
-        from astratk.gpu import rollout_gpus
-
-        workers = len(rollout_gpus(c.rollout_gpus))
+        workers = len(gpu.rollout_gpus(c.rollout_gpus))
     if workers != 1 or c.autoscale is not None:
         raise ValueError(f"dataflow.synchronous runs one rollout worker (got {workers} in "
                          "cluster.rollout_workers/pools/"
@@ -338,109 +265,3 @@ def check_weight_lag(spec: RunSpec) -> None:
             raise ValueError(f"rollout.weight_lag is {lag} but policies[{i}]'s staleness bound is {bound} "
                              f"(dataflow.max_staleness / trainer.max_staleness): every sample would be dropped "
                              f"as stale; set the bound to at least {lag}, e.g. {lag + 2}")
-
-
-# ------------------------------------------------------------------------------------- at a run's start
-
-
-def check_output_dir(spec: RunSpec) -> None:
-    """Before a run writes anything: `output_dir` can take a new run directory. Every part of it that exists is a
-    directory, and the deepest existing one accepts a new entry (tried with a directory made and removed at once:
-    permission bits do not tell for root, read-only mounts or ACLs). Not in `validate`: a trainer job or
-    `astratk status` reads the same spec on a machine that writes nothing there."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from astratk.spec import StartError
-
-    target = Path(spec.output_dir).expanduser().resolve()
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        where = "" if existing == target else f" (a part of {str(target)!r})"
-        raise StartError(f"output_dir: {str(existing)!r}{where} is a file, not a directory; give the directory "
-                         "that should hold the run directories (default: runs)")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".astratk-write-check-", dir=existing))
-    except OSError as e:
-        raise StartError(f"output_dir: cannot create a run directory in {str(existing)!r} ({e.strerror or e}); "
-                         "give a directory you can write to") from None
-
-
-def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:
-    """Before a local run writes anything: its trainers can be placed here (a GPU asked for and
-    absent, bf16 on a GPU without it: `astratk.training.build.placement`), and on each GPU of this
-    machine the memory fractions of everything the run places there fit (`astratk.gpu.check_fit`:
-    sum <= 1, and within what is free now). Counted: each policy's `trainer.gpu_memory_fraction` on its trainer's GPUs (when the
-    trainers run here: not for `astratk deploy`), and `rollout.engine_args.gpu_memory_utilization`
-    for every engine of every local rollout worker on its engine's GPU: one rollout and one
-    evaluation engine per policy (vLLM's default 0.9 when unset, as vLLM takes it). Fractions left
-    unset are not capped, and not counted. Not at start time in `validate`: a trainer job checks
-    its spec after the rollout workers took their memory."""
-    import torch
-
-    from astratk.gpu import check_fit
-    from astratk.spec import StartError
-
-    shares: dict[int, list[tuple[str, float]]] = {}
-    try:  # one line at start, before anything is written (the CLI prints a StartError alone)
-        if trainers_here:
-            for index, what, fraction in _trainer_shares(spec):
-                shares.setdefault(index, []).append((what, fraction))
-        if not torch.cuda.is_available():
-            return
-        if _local(spec):
-            for index, what, fraction in _engine_shares(spec):
-                shares.setdefault(index, []).append((what, fraction))
-        for index in sorted(shares):
-            check_fit(index, shares[index])
-    except ValueError as e:
-        raise StartError(str(e)) from None
-
-
-def _trainer_shares(spec: RunSpec) -> list[tuple[int, str, float]]:
-    """(GPU index, key, fraction) of each policy's trainer that runs on a GPU with a fraction set:
-    Lightning's first `devices` GPUs. Every trainer's placement is resolved here
-    (`astratk.training.build.placement`), so that its errors come before anything is written."""
-    from astratk.training.build import placement
-
-    out = []
-    for i, p in enumerate(spec.policies):
-        key = f"policies[{i}].trainer"
-        flags = placement(p.trainer, key)
-        if p.trainer.gpu_memory_fraction is not None and flags["accelerator"] == "gpu":
-            out += [(g, f"{key}.gpu_memory_fraction", p.trainer.gpu_memory_fraction)
-                    for g in range(flags["devices"])]
-    return out
-
-
-def _engine_shares(spec: RunSpec) -> list[tuple[int, str, float]]:
-    """(GPU index here, what, fraction) of the engines of the local cluster's rollout workers."""
-    from astratk.gpu import cuda_visible_devices, gpu_index, resolve_device, rollout_gpus, visible_gpus
-
-    args, engine = spec.rollout.engine_args, resolve_path("engine", spec.rollout.engine)
-    fraction = args.get("gpu_memory_utilization")
-    if engine == REGISTRY["engine"]["vllm"]:
-        device, label = "cuda:0", "rollout.engine_args.gpu_memory_utilization"
-        if fraction is None:
-            fraction, label = 0.9, "vLLM's default gpu_memory_utilization"
-    elif engine == REGISTRY["engine"]["torch"] and fraction is not None:
-        device, label = args.get("device", "auto"), "rollout.engine_args.gpu_memory_utilization"
-        device = resolve_device("cuda:0" if spec.cluster.rollout_gpus and device == "auto" else device)
-    else:
-        return []
-    if not device.startswith("cuda"):
-        return []
-    engines = 2 * len(spec.policies)  # a rollout and an evaluation engine per policy, per worker
-    what = f"{engines} engines x {label}"
-    k, here = gpu_index(device), visible_gpus()
-    if spec.cluster.rollout_gpus is not None:  # worker i sees the list rotated; its cuda:k is ...
-        gpus = rollout_gpus(spec.cluster.rollout_gpus)
-        return [(here.index(cuda_visible_devices(i, gpus).split(",")[k]), f"rollout-{i}: {what}",
-                 engines * fraction) for i in range(len(gpus))]
-    workers = sum(wc.count for wc in spec.cluster.pools  # the classes that serve rollouts
-                  if wc.resources is None or any(r.startswith("rollout_") for r in wc.resources))
-    workers = workers if spec.cluster.pools else spec.cluster.rollout_workers
-    return [(k, f"{workers} rollout worker(s) x {what}", workers * engines * fraction)]

@@ -1,0 +1,105 @@
+"""A policy (`PolicySpec`: its model, loss, trainer, corrections) and the whole run (`RunSpec`), whose `validate()`
+runs every section's own checks and then the rules between sections (`astratk.spec.rules`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from astratk.contracts import Env, PolicyLoss, TokenCorrection
+from astratk.spec import rules
+from astratk.spec.base import Section, default_plugin
+from astratk.spec.cluster import ClusterSpec
+from astratk.spec.dataflow import DataflowSpec
+from astratk.spec.eval import EvalSpec
+from astratk.spec.model import ModelSpec
+from astratk.spec.rollout import RolloutSpec
+from astratk.spec.trainer import TrainerSpec
+from astratk.spec.weights import WeightsSpec
+
+
+@dataclass
+class PolicySpec(Section):
+    SPEC_KEY = "policies[0]"
+
+    policy_id: str = "main"
+    """this policy's name: weight versions, metrics and env roles refer to it"""
+    roles: list[str] = field(default_factory=lambda: ["policy"])
+    """env roles this policy plays"""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """the model this policy trains: a directory or Hub id, or the built-in tiny model"""
+    loss: PolicyLoss = field(default_factory=lambda: default_plugin("loss", "drpo"))
+    """the policy loss, as class_path (a short name such as drpo, dppo_tv, ppo_clip, decoupled_ppo, or a dotted path)
+    and init_args; DRPO by default"""
+    trainer: TrainerSpec = field(default_factory=TrainerSpec)
+    """the trainer of this policy (Lightning): budget, optimiser, placement"""
+    corrections: list[TokenCorrection] = field(default_factory=list)
+    """mismatch corrections, applied in order"""
+
+    def validate(self, key: str = "policies[0]") -> None:
+        """Its own fields; which env roles exist is the env's business (`astratk.spec.rules`)."""
+        self.model.validate(f"{key}.model")
+        if not isinstance(self.loss, PolicyLoss):
+            raise ValueError(  # noqa: TRY004 - config errors are ValueErrors
+                f"{key}.loss: expected an astratk.contracts.PolicyLoss, got "
+                f"{type(self.loss).__name__}")
+        for j, corr in enumerate(self.corrections):
+            if not isinstance(corr, TokenCorrection):
+                raise ValueError(  # noqa: TRY004
+                    f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
+                    f"{type(corr).__name__}")
+        self.trainer.validate(f"{key}.trainer")
+
+
+
+@dataclass
+class RunSpec(Section):
+    SPEC_KEY = ""
+
+    name: str = "run"
+    """the run's name: its directory under output_dir is <name>-<date>-<time>-<4 hex digits>"""
+    output_dir: str = "runs"
+    """where run directories are written"""
+    seed: int = 0
+    """seed of the run: task order, sampling and the trainer"""
+    env: Env = field(default_factory=lambda: default_plugin("env", "arithmetic"))
+    """the environment, as class_path (a short name such as arithmetic, math_word, search, code, or a dotted path) and
+    init_args"""
+    policies: list[PolicySpec] = field(default_factory=lambda: [PolicySpec()])
+    """the policies trained together; each plays one or more of the env's roles. `--policies.help` lists every
+    policy key; a flag such as --policies.trainer.max_time_s 300 sets it on the last policy of the list (the only one
+    in a single-policy run): set the others' in the YAML file"""
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    """how rollouts are generated: engine, group size, sampling, timeouts"""
+    dataflow: DataflowSpec = field(default_factory=DataflowSpec)
+    """the data layer: synchronous or asynchronous, staleness, advantages, stages, snapshots"""
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    """the Dask cluster: a local one started for the run, or an existing scheduler"""
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    """held-out evaluation during training"""
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
+    """the weight store: where versions are published, how many are kept, deltas, dtype"""
+    progress: bool = True
+    """print progress lines while the run trains"""
+    metrics_every_s: float | None = 60.0
+    """write metrics.nc every this many seconds while training (attribute partial = 1), so that a run that crashes
+    keeps what it measured; the final file replaces it. None: only at the end"""
+    resume_from: str | None = None
+    """continue a previous run from its newest trainer checkpoint (a run directory) or from a given one (<run
+    dir>/checkpoints/<policy>/step=K.ckpt), with the data-layer snapshot written at that step"""
+
+    def validate(self) -> RunSpec:
+        """Check every section's fields and the rules between sections (`astratk.spec.rules`); raise ValueError
+        naming the key and the fix. Returns the spec (`RunSpec(...).validate()` chains)."""
+        return rules.validate(self)
+
+    def policy(self, policy_id: str) -> PolicySpec:
+        for p in self.policies:
+            if p.policy_id == policy_id:
+                return p
+        raise KeyError(f"no policy {policy_id!r}; policies are "
+                       f"{[p.policy_id for p in self.policies]}")
+
+    def role_routes(self) -> dict[str, str]:
+        """env role -> policy_id."""
+        return {role: p.policy_id for p in self.policies for role in p.roles}
+
