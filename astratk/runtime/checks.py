@@ -13,7 +13,7 @@ from pathlib import Path
 
 from astratk.gpu import check_fit, cuda_visible_devices, gpu_index, resolve_device, rollout_gpus, visible_gpus
 from astratk.registry import REGISTRY, resolve_path
-from astratk.runtime.session import checkpoint_time_used, find_resume_point, same_store
+from astratk.runtime.resume import checkpoint_time_used, find_resume_point, same_store
 from astratk.spec import RunSpec, StartError
 from astratk.spec.model import is_hub_id, is_pypi_path
 from astratk.training.build import placement
@@ -21,7 +21,7 @@ from astratk.training.build import placement
 
 def check_resume(spec: RunSpec) -> None:
     """`resume_from` names a checkpoint, its run's config and the data-layer snapshot paired with it
-    (`astratk.runtime.session.find_resume_point`, which only reads), so that a run that cannot resume fails before
+    (`astratk.runtime.resume.find_resume_point`, which only reads), so that a run that cannot resume fails before
     it writes anything."""
     if len(spec.policies) > 1:
         raise StartError("resume_from: resuming a multi-policy run is not supported yet; resume each policy's "

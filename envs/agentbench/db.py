@@ -1,5 +1,8 @@
 """DB-Bench-like database tasks (AgentBench's DB kind) on real SQLite, multi-turn with a turn limit.
 
+This module holds the env (splits, the episode loop, the reward); its tasks come from `db_tasks.py`, replies are read
+and answers judged by `db_answers.py`, and SQL runs through `sql.py`.
+
 Tasks
 -----
 Generated (the default): each database is drawn from the seed (`departments`, `employees`, `sales`; 3-6, 8-20 and
@@ -54,22 +57,18 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
-import math
-import os
 import random
-import re
-import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.envs import jsonl
-from astratk.envs.agentbench.sql import build_database, materialise, run_query, schema_text
-from astratk.envs.multiturn import Budget, Conversation, parse_tags, parse_tool_call
+from astratk.envs.agentbench.db_answers import answers_match, first_action
+from astratk.envs.agentbench.db_tasks import TEMPLATES, generated_tasks, load_tasks_file, random_database
+from astratk.envs.agentbench.sql import materialise, run_query
+from astratk.envs.multiturn import Budget, Conversation
 from astratk.records import Task, Trajectory
 
 INSTRUCTIONS = ("Answer the question using the SQLite database described below. To run a read-only SQL query, reply "
@@ -77,238 +76,6 @@ INSTRUCTIONS = ("Answer the question using the SQLite database described below. 
                 "reply with <answer>...</answer> (separate several values with commas). One action per turn; you "
                 "have {max_turns} turns.")
 FORMAT_HINT = "No action found. Reply with <sql>SELECT ...</sql> to run a query or <answer>...</answer> to answer."
-SQL_TOOL = '{"name": "sql", "arguments": {"query": "SELECT ..."}}'
-
-# ------------------------------------------------------------------------------------------------- generated data
-
-SCHEMA = """CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL);
-CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, department_id INTEGER NOT NULL REFERENCES
-  departments(id), title TEXT NOT NULL, salary INTEGER NOT NULL, hire_year INTEGER NOT NULL);
-CREATE TABLE sales (id INTEGER PRIMARY KEY, employee_id INTEGER NOT NULL REFERENCES employees(id), product TEXT NOT
-  NULL, amount INTEGER NOT NULL, year INTEGER NOT NULL);"""
-DEPARTMENTS = ["Engineering", "Sales", "Marketing", "Finance", "Support", "Legal", "Research", "Operations"]
-CITIES = ["Berlin", "Lagos", "Lima", "Osaka", "Oslo", "Pune", "Quito", "Seattle", "Sydney", "Toronto"]
-FIRST = ["Ada", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Mo", "Nia", "Omar",
-         "Pia", "Raj", "Sol", "Tess", "Uma"]
-LAST = ["Abe", "Baker", "Cruz", "Diaz", "Evans", "Fox", "Gray", "Hill", "Ito", "Jones", "Khan", "Lund", "Moss", "Nair",
-        "Ortiz", "Park", "Reyes", "Silva", "Tran", "Wolf"]
-TITLES = ["Analyst", "Associate", "Director", "Engineer", "Manager"]
-PRODUCTS = ["headset", "laptop", "monitor", "phone", "printer", "tablet"]
-YEARS = range(2019, 2024)
-
-
-def random_database(rng: random.Random) -> dict[str, Any]:
-    """A database spec {"schema_sql", "rows"}; every department has an employee, salaries are distinct."""
-    deps = rng.sample(DEPARTMENTS, rng.randint(3, 6))
-    n_emp = rng.randint(max(8, len(deps)), 20)
-    names = rng.sample([f"{f} {last}" for f in FIRST for last in LAST], n_emp)
-    salaries = [100 * s for s in rng.sample(range(300, 1500), n_emp)]
-    dept_of = list(range(1, len(deps) + 1)) + [rng.randint(1, len(deps)) for _ in range(n_emp - len(deps))]
-    rng.shuffle(dept_of)
-    return {"schema_sql": SCHEMA, "rows": {
-        "departments": [[i + 1, d, rng.choice(CITIES)] for i, d in enumerate(deps)],
-        "employees": [[i + 1, names[i], dept_of[i], rng.choice(TITLES), salaries[i], rng.choice(YEARS)]
-                      for i in range(n_emp)],
-        "sales": [[i + 1, rng.randint(1, n_emp), rng.choice(PRODUCTS), 10 * rng.randint(1, 100), rng.choice(YEARS)]
-                  for i in range(rng.randint(15, 40))]}}
-
-
-def _one(conn: sqlite3.Connection, sql: str) -> list[Any]:
-    return [r[0] for r in conn.execute(sql).fetchall()]
-
-
-_JOIN = "employees e JOIN departments d ON e.department_id = d.id"
-
-# A template: (rng, conn) -> (question, gold SQL, is_list, ordered), or None when it does not apply to this database.
-
-
-def _count_dept(rng, conn):
-    d = rng.choice(_one(conn, "SELECT name FROM departments"))
-    return (f"How many employees work in the {d} department?",
-            f"SELECT COUNT(*) FROM {_JOIN} WHERE d.name = '{d}'", False, False)
-
-
-def _sum_year(rng, conn):
-    y = rng.choice(_one(conn, "SELECT DISTINCT year FROM sales ORDER BY year"))
-    return f"What is the total amount of all sales made in {y}?", f"SELECT SUM(amount) FROM sales WHERE year = {y}", \
-        False, False
-
-
-def _avg_salary(rng, conn):
-    d = rng.choice(_one(conn, "SELECT name FROM departments"))
-    return (f"What is the average salary of the employees in the {d} department, rounded to 2 decimal places?",
-            f"SELECT ROUND(AVG(e.salary), 2) FROM {_JOIN} WHERE d.name = '{d}'", False, False)
-
-
-def _filter_list(rng, conn):
-    d = rng.choice(_one(conn, "SELECT name FROM departments"))
-    x = rng.choice(_one(conn, f"SELECT e.salary FROM {_JOIN} WHERE d.name = '{d}'")) - 100
-    return (f"List the names of the employees in the {d} department who earn more than {x}, in any order.",
-            f"SELECT e.name FROM {_JOIN} WHERE d.name = '{d}' AND e.salary > {x}", True, False)
-
-
-def _top3(rng, conn):
-    return ("List the names of the 3 employees with the highest salaries, from highest to lowest.",
-            "SELECT name FROM employees ORDER BY salary DESC LIMIT 3", True, True)
-
-
-def _city_of(rng, conn):
-    name = rng.choice(_one(conn, "SELECT name FROM employees"))
-    return (f"In which city is the department of {name} located?",
-            f"SELECT d.city FROM {_JOIN} WHERE e.name = '{name}'", False, False)
-
-
-def _depts_over(rng, conn):
-    k = rng.randint(2, 4)
-    return (f"How many departments have more than {k} employees?",
-            f"SELECT COUNT(*) FROM (SELECT department_id FROM employees GROUP BY department_id HAVING COUNT(*) > {k})",
-            False, False)
-
-
-def _top_dept_sales(rng, conn):
-    joined = "sales s JOIN employees e ON s.employee_id = e.id JOIN departments d ON e.department_id = d.id"
-    sql = f"SELECT d.name FROM {joined} GROUP BY d.id ORDER BY SUM(s.amount) DESC LIMIT 1"
-    totals = _one(conn, f"SELECT SUM(s.amount) AS t FROM {joined} GROUP BY d.id ORDER BY t DESC LIMIT 2")
-    if len(totals) == 2 and totals[0] == totals[1]:
-        return None  # a tie has no single answer
-    return "Which department has the highest total sales amount?", sql, False, False
-
-
-TEMPLATES = {f.__name__.lstrip("_"): f for f in (_count_dept, _sum_year, _avg_salary, _filter_list, _top3, _city_of,
-                                                 _depts_over, _top_dept_sales)}
-
-
-# --------------------------------------------------------------------------------------------------- answers
-
-
-def format_value(v: Any) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return repr(round(v, 6)) if isinstance(v, float) else str(v)
-
-
-def _number(s: str) -> float | None:
-    s = s.strip().lstrip("$")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    try:
-        x = float(s)
-    except ValueError:
-        return None
-    return x if math.isfinite(x) else None
-
-
-def same_value(given: str, gold: str) -> bool:
-    a, g = _number(given), _number(gold)
-    if a is not None and g is not None:
-        if math.isclose(a, g, rel_tol=1e-9, abs_tol=1e-9):
-            return True
-        decimals = len(gold.strip().partition(".")[2])  # gold rounded to d decimals accepts what rounds to it
-        return decimals > 0 and abs(round(a, decimals) - g) < 10 ** -(decimals + 2)
-    return " ".join(given.split()).casefold() == " ".join(gold.split()).casefold()
-
-
-def split_answer(text: str, is_list: bool) -> list[str]:
-    text = text.strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if isinstance(value, list):
-        flat = [x for v in value for x in (v if isinstance(v, list) else [v])]  # rows as lists: flatten one level
-        return [format_value(v) for v in flat]
-    parts = re.split(r"[\n,;]", text) if is_list else [text]
-    return [p.strip().strip("\"'`").rstrip(".").strip() for p in parts if p.strip()]
-
-
-def answers_match(text: str, gold: Sequence[str], *, is_list: bool, ordered: bool) -> bool:
-    given = split_answer(text, is_list)
-    if len(given) != len(gold):
-        return False
-    if ordered or not is_list:
-        return all(same_value(a, g) for a, g in zip(given, gold))
-    remaining = list(gold)
-    for a in given:
-        j = next((j for j, g in enumerate(remaining) if same_value(a, g)), None)
-        if j is None:
-            return False
-        remaining.pop(j)
-    return True
-
-
-def first_action(text: str) -> tuple[str, str] | None:
-    """("sql", query) or ("answer", text) from the reply's first action tag or JSON tool call; ("invalid", what is
-    wrong) for a malformed tool call; None without either."""
-    tags = parse_tags(text, ["sql", "answer", "tool_call"])
-    if not tags:
-        return None
-    kind, content = tags[0]
-    if kind != "tool_call":
-        return kind, content
-    call = parse_tool_call(content)
-    if call.error:
-        return "invalid", f"{call.error}, e.g. {SQL_TOOL}"
-    args = call.arguments
-    if call.name != "sql" or not isinstance(args, dict) or not isinstance(args.get("query"), str):
-        return "invalid", f"the one tool is sql, called as {SQL_TOOL}"
-    return "sql", args["query"].strip()
-
-
-# ---------------------------------------------------------------------------------------------------- user tasks
-
-
-def load_tasks_file(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
-    """Task records (id, question, Task.info) from a JSONL file; a malformed line raises naming file and line."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"tasks file {path} does not exist")
-    tasks = []
-    for lineno, obj in jsonl.records(path):
-        try:
-            tasks.append(_user_task(obj, path, lineno, cache_dir))
-        except (ValueError, TypeError, KeyError, sqlite3.Error) as e:
-            raise ValueError(f"{path}:{lineno}: {e}") from e
-    if not tasks:
-        raise ValueError(f"tasks file {path} holds no tasks")
-    return tasks
-
-
-def _user_task(obj: dict[str, Any], path: Path, lineno: int, cache_dir: str | os.PathLike | None) -> dict[str, Any]:
-    if not isinstance(obj.get("question"), str) or not obj["question"].strip():
-        raise ValueError('missing "question" (a non-empty string)')
-    answer = obj.get("answer")
-    is_list = isinstance(answer, list)
-    values = answer if is_list else [answer]
-    if not values or any(v is None or isinstance(v, (dict, list)) for v in values):
-        raise ValueError('"answer" must be a value or a non-empty list of values')
-    if ("db_path" in obj) == ("schema_sql" in obj):
-        raise ValueError('give exactly one of "db_path" or "schema_sql" (+ "rows")')
-    if not isinstance(obj.get("ordered", False), bool) or not isinstance(obj.get("sql", ""), str):
-        raise ValueError('"ordered" must be true/false and "sql" a string')  # noqa: TRY004 - malformed data
-    info: dict[str, Any] = {"answer": [format_value(v) for v in values], "is_list": is_list,
-                            "ordered": obj.get("ordered", False), "kind": "user", "sql": obj.get("sql", "")}
-    if "db_path" in obj:
-        db = (path.parent / obj["db_path"]).resolve()
-        if not db.is_file():
-            raise ValueError(f"db_path {db} does not exist")
-        info["db_path"] = str(db)
-    else:
-        rows = obj.get("rows", {})
-        if not isinstance(obj["schema_sql"], str) or not isinstance(rows, dict) or not all(
-                isinstance(r, list) and all(isinstance(x, list) for x in r) for r in rows.values()):
-            raise ValueError('"schema_sql" must be a string and "rows" an object of table -> list of row lists')
-        info["db_spec"] = {"schema_sql": obj["schema_sql"], "rows": rows}
-        db = materialise(info["db_spec"], cache_dir)
-    conn = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
-    try:
-        info["schema"] = schema_text(conn)
-    finally:
-        conn.close()
-    task_id = str(obj.get("id") or f"{path.stem}:{lineno}")
-    return {"id": task_id, "question": obj["question"].strip(), "info": info}
-
-
-# ----------------------------------------------------------------------------------------------------------- env
 
 
 class DatabaseEnv(Env):
@@ -343,7 +110,8 @@ class DatabaseEnv(Env):
 
     def _load(self) -> None:
         if self.tasks_file is None:
-            self._heldout = list(itertools.islice(self._generated("heldout"), self.n_heldout))
+            heldout = generated_tasks(self.name, self.seed, "heldout", self.questions_per_db)
+            self._heldout = list(itertools.islice(heldout, self.n_heldout))
             self._user_train: list[Task] = []
         else:
             self._heldout, self._user_train = self._split_user_tasks()
@@ -361,32 +129,6 @@ class DatabaseEnv(Env):
         self._heldout = None  # type: ignore[assignment]
 
     # --------------------------------------------------------------------------------------------------- tasks
-    def _generated(self, split: str) -> Iterator[Task]:
-        """Endless: database i of the split, then up to `questions_per_db` questions on it (distinct templates)."""
-        for i in itertools.count():
-            db_seed = f"{self.seed}/{split}/{i}"
-            rng = random.Random(db_seed)
-            conn = sqlite3.connect(":memory:")
-            try:
-                build_database(conn, random_database(rng))
-                schema, asked = schema_text(conn), 0
-                for kind in rng.sample(sorted(TEMPLATES), len(TEMPLATES)):
-                    made = TEMPLATES[kind](rng, conn) if asked < self.questions_per_db else None
-                    if made is None:
-                        continue
-                    question, sql, is_list, ordered = made
-                    gold = _one(conn, sql)
-                    if not gold or gold[0] is None:
-                        continue  # an empty result is no question
-                    asked += 1
-                    info = {"db_seed": db_seed, "schema": schema, "kind": kind, "sql": sql, "is_list": is_list,
-                            "ordered": ordered, "answer": [format_value(v) for v in (gold if is_list else gold[:1])]}
-                    digest = hashlib.sha256(f"{db_seed}\n{question}".encode()).hexdigest()[:8]
-                    yield Task(task_id=f"{self.name}/{split}/{i}-{kind}-{digest}", env=self.name, prompt=question,
-                               info=info, split=split)  # type: ignore[arg-type]
-            finally:
-                conn.close()
-
     def _split_user_tasks(self) -> tuple[list[Task], list[Task]]:
         def tasks(records: list[dict[str, Any]], split: str) -> list[Task]:
             return [Task(task_id=f"{self.name}/{split}/{r['id']}", env=self.name, prompt=r["question"], info=r["info"],
@@ -425,7 +167,8 @@ class DatabaseEnv(Env):
 
     def _train_stream(self) -> Iterator[Task]:
         if not self._user_train:  # generated: an endless stream of new databases
-            yield from (t for t in self._generated("train") if self._key(t) not in self._heldout_keys)
+            train = generated_tasks(self.name, self.seed, "train", self.questions_per_db)
+            yield from (t for t in train if self._key(t) not in self._heldout_keys)
             return
         for epoch in itertools.count():  # a user's tasks: each once per epoch, in a seeded order
             order = list(self._user_train)

@@ -48,8 +48,9 @@ from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
 from astratk.envs.chat import single_turn
+from astratk.envs.code.execute import SandboxResult
 from astratk.envs.code.jsonl import Format, load_problems
-from astratk.envs.code.sandbox import Isolation, Sandbox, SandboxResult
+from astratk.envs.code.sandbox import Isolation, Sandbox
 from astratk.envs.code.tasks import CodeProblem, SyntheticTasks
 from astratk.records import Task, Trajectory
 

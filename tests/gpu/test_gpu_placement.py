@@ -15,7 +15,7 @@ import torch
 
 from astratk.contracts import GenerationRequest, SamplingParams
 from astratk.engines import TorchEngine
-from astratk.engines import torch_engine as te
+from astratk.engines import torch_kvcache as kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,13 +45,13 @@ def _requests(n: int, prompt: int, new: int) -> list[GenerationRequest]:
 
 def test_auto_serves_on_the_gpu_in_bf16_with_the_kv_cache_there(model_dir, monkeypatch):
     devices = []
-    init = te._GrowingLayer.lazy_initialization
+    init = kv._GrowingLayer.lazy_initialization
 
     def record(self, k, v):
         init(self, k, v)
         devices.append((self._k.device.type, self._k.dtype))
 
-    monkeypatch.setattr(te._GrowingLayer, "lazy_initialization", record)
+    monkeypatch.setattr(kv._GrowingLayer, "lazy_initialization", record)
     engine = TorchEngine(model_dir, max_batch=64)
     try:
         bf16 = torch.cuda.get_device_capability(0)[0] >= 8

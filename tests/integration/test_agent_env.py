@@ -256,7 +256,7 @@ def test_with_several_choices_the_one_the_agent_went_on_with_is_kept():
     from astratk.contracts import Completion
     from astratk.envs.agent import trajectory_from_calls
     from astratk.records import Task
-    from astratk.rollout.openai_api import CapturedCall
+    from astratk.rollout.openai_sessions import CapturedCall
 
     def done(tokens, v):
         return Completion(tuple(tokens), tuple([-0.5] * len(tokens)), tuple([v] * len(tokens)), "stop")

@@ -67,7 +67,7 @@ def test_synchronous_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert any("(resumed, v2)" in line for line in lines)
 
     # resuming where nothing is left to train, or into the source run's own store, is refused before anything runs
-    from astratk.runtime.session import checkpoint_time_used
+    from astratk.runtime.resume import checkpoint_time_used
 
     last = full.run_dir / "checkpoints" / "main" / "step=4.ckpt"
     with pytest.raises(ValueError, match=r"at step 4, and policies\[0\]\.trainer\.max_steps is 4: nothing is left"):

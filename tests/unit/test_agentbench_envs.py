@@ -23,7 +23,8 @@ import pytest
 
 from astratk.contracts import SamplingParams
 from astratk.engines import ScriptedEngine
-from astratk.envs.agentbench.db import DatabaseEnv, answers_match
+from astratk.envs.agentbench.db import DatabaseEnv
+from astratk.envs.agentbench.db_answers import answers_match
 from astratk.envs.agentbench.sql import run_query
 from astratk.models import build_char_tokenizer
 

@@ -29,7 +29,7 @@ from astratk.rollout.service import RolloutService
 from astratk.rollout.tasks import admit_task
 from astratk.runtime.acquisition import task_accounting
 from astratk.runtime.deploy import publish_initial
-from astratk.runtime.session import _stop_summary
+from astratk.runtime.wrap_up import _stop_summary
 from astratk.spec import (
     DataflowSpec,
     DivergenceSpec,

@@ -49,7 +49,7 @@ def run(mode: str) -> tuple[TorchEngine, tuple, tuple, tuple]:
             loader.append(threading.Thread(target=engine.load_weights, args=(new, 7)))
             loader[0].start()
             deadline = time.monotonic() + 10
-            while not engine._loads_waiting and time.monotonic() < deadline:
+            while not engine._loads.waiting and time.monotonic() < deadline:
                 time.sleep(1e-3)
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -173,7 +173,7 @@ def test_recompute_cannot_stall_decoding_when_versions_arrive_at_every_step():
             loaders.append(threading.Thread(target=engine.load_weights, args=(state, len(loaders) + 1)))
             loaders[-1].start()
             deadline = time.monotonic() + 10
-            while not engine._loads_waiting and time.monotonic() < deadline:
+            while not engine._loads.waiting and time.monotonic() < deadline:
                 time.sleep(1e-3)
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -248,7 +248,7 @@ def test_a_load_that_changes_nothing_for_the_batch_is_not_a_switch():
             loaders.append(threading.Thread(target=engine.load_weights, args=(state, 0)))
             loaders[-1].start()
             deadline = time.monotonic() + 10
-            while not engine._loads_waiting and time.monotonic() < deadline:
+            while not engine._loads.waiting and time.monotonic() < deadline:
                 time.sleep(1e-3)
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -271,7 +271,7 @@ def test_the_store_holds_adapter_tensors_only_with_sparse_deltas(base_dir, tmp_p
         view = engine.add_adapter("main", LORA, state, 0)
         view.load_weights(delta, 1)  # the engine applies the adapter delta in place
         assert view.version == 1 and engine.version == 0  # the base keeps its own version
-        assert torch.equal(engine._adapters["main"].tensors[key], new[key])
+        assert torch.equal(engine._adapters.get("main").tensors[key], new[key])
         with pytest.raises(ValueError, match="the delta needs base version 0"):
             view.load_weights(delta, 1)
     finally:

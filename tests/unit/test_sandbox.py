@@ -29,7 +29,9 @@ import pytest
 
 from astratk.envs.code import cgroup as cgroups
 from astratk.envs.code import namespaces
-from astratk.envs.code.sandbox import RAM_SHARE, Sandbox, SandboxResult, bwrap_available
+from astratk.envs.code.execute import SandboxResult
+from astratk.envs.code.launch import bwrap_available
+from astratk.envs.code.sandbox import RAM_SHARE, Sandbox
 
 ROOT = os.geteuid() == 0
 REQUIRE_BWRAP = os.environ.get("ASTRATK_REQUIRE_BWRAP") == "1"

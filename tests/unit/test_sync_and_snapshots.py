@@ -274,7 +274,7 @@ def test_restored_leases_are_reissued_even_when_they_fill_the_prefetch_room(tmp_
 def test_checkpoint_time_used_reads_the_timer_state(tmp_path):
     import torch
 
-    from astratk.runtime.session import checkpoint_time_used
+    from astratk.runtime.resume import checkpoint_time_used
 
     path = tmp_path / "step=3.ckpt"
     torch.save({"callbacks": {"Timer": {"time_elapsed": {"train": 42.5, "validate": 0.0}}}, "state_dict": {}}, path)

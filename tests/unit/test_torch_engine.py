@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from astratk.contracts import Engine, GenerationRequest, SamplingParams
 from astratk.engines import TorchEngine, build_engine
-from astratk.engines.torch_engine import _mix64, _sample, _text_stop_hits, _TextStops
+from astratk.engines.torch_sampling import _mix64, _sample, _text_stop_hits, _TextStops
 from astratk.models import build_char_tokenizer
 from astratk.training.logprobs import token_logprobs
 from astratk.weights import make_delta

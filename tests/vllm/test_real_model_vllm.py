@@ -28,7 +28,8 @@ def _greedy(engine, prompts, stops):
 
 def test_vllm_serves_smollm2_with_its_template_as_torch_engine_does(smollm2_dir):
     from astratk.engines.torch_engine import TorchEngine
-    from astratk.engines.vllm_engine import VLLMEngine, default_kv_bytes
+    from astratk.engines.vllm_engine import VLLMEngine
+    from astratk.engines.vllm_options import default_kv_bytes
 
     vllm = VLLMEngine(str(smollm2_dir), max_batch=8)
     try:

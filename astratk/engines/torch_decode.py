@@ -1,0 +1,203 @@
+"""The decode loop of `TorchEngine`: one batch of requests from its prefill to its last token, on the model's device.
+
+`_Batch` holds a batch's tensors and runs each kind of step (prefill, sampling, one-token forward, recompute);
+`decode` orders the steps and takes in-flight weight loads between them; `completions` turns its results into
+`Completion`s. A new per-row setting goes into `_Batch`, and into `compact`, which moves every per-row tensor together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from astratk.contracts import Completion, GenerationRequest
+from astratk.engines.torch_kvcache import new_cache
+from astratk.engines.torch_sampling import _sample, _text_stop_hits, _TextStops, _topk_logprobs
+from astratk.engines.torch_weights import InflightPacing
+from astratk.models.kvcache import cache_kwargs
+
+
+class _Clock:
+    """Adds the wall time since its last lap to a stats counter (`TorchEngine.stats`: prefill_s, forward_s...)."""
+
+    def __init__(self, stats: dict[str, Any]) -> None:
+        self.stats, self.last = stats, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats[name] += now - self.last
+        self.last = now
+
+
+def _left_padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device):
+    """Prompt ids [B, P] left-padded with 0, attention mask [B, P + new_tokens] (0 on padding), prompt lengths [B]."""
+    p = max(map(len, prompts))
+    ids = torch.tensor([[0] * (p - len(x)) + list(x) for x in prompts], device=device)
+    mask = torch.ones(len(prompts), p + new_tokens, dtype=torch.long, device=device)
+    mask[:, :p] = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts], device=device)
+    return ids, mask, torch.tensor([len(x) for x in prompts], device=device)
+
+
+class _Batch:
+    """One batch's tensors on `device`: prompts, per-row settings, the KV cache and the outputs [B, N]. Finished rows
+    are compacted away; `rows` maps the rows still decoding to their request's index (the outputs' row)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest],
+                 seeds: torch.Tensor, device: torch.device) -> None:
+        self.model, self.tokenizer, self.requests, dev = model, tokenizer, requests, device
+        self.n = max(r.params.max_tokens for r in requests)
+        self.k = max(r.params.top_k_logprobs for r in requests)
+        # [B, P], [B, P+N], [B]
+        self.ids, self.mask, self.next_pos = _left_padded([r.prompt_ids for r in requests], self.n, dev)
+        self.p = self.ids.shape[1]
+        self.temps = torch.tensor([r.params.temperature for r in requests], device=dev)  # [B]
+        self.budgets = torch.tensor([r.params.max_tokens for r in requests], device=dev)  # [B]
+        width = max(1, max(len(r.params.stop_token_ids) for r in requests))
+        self.stops = torch.tensor([list(r.params.stop_token_ids) + [-1] * (width - len(r.params.stop_token_ids))
+                                   for r in requests], device=dev)  # [B, S], -1 = no stop
+        self.seeds = seeds  # [B]
+        self.cache = new_cache(model, self.p + self.n)
+
+    def prefill(self) -> torch.Tensor:
+        """The prompts through the model into the cache; returns the last logits [B, V]. Equal prompts (a group's
+        samples) are prefilled once; their cache rows and last logits are then indexed out per request, which is what
+        each row's own prefill would compute."""
+        requests, dev, p = self.requests, self.ids.device, self.p
+        pos = (self.mask[:, :p].cumsum(1) - 1).clamp(min=0)
+        first: dict[tuple[int, ...], int] = {}  # prompt -> its first row
+        for i, r in enumerate(requests):
+            first.setdefault(tuple(r.prompt_ids), i)
+        shared = len(first) < len(requests)
+        unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
+        logits = self.model(input_ids=self.ids[unique], attention_mask=self.mask[unique, :p], position_ids=pos[unique],
+                            use_cache=True, logits_to_keep=1,
+                            **cache_kwargs(self.model, self.cache)).logits[:, -1]  # [U, V]
+        if shared:
+            slot = {prompt: j for j, prompt in enumerate(first)}
+            expand = torch.tensor([slot[tuple(r.prompt_ids)] for r in requests], device=dev)  # [B] -> its prompt
+            self.cache.batch_select_indices(expand)
+            logits = logits[expand]  # [B, V]
+        self._outputs()
+        return logits
+
+    def _outputs(self) -> None:
+        """The outputs and the per-row state of decoding, allocated once the prefill's activations are gone."""
+        b, n, k, dev, requests = len(self.requests), self.n, self.k, self.ids.device, self.requests
+        self.out_tokens, self.out_lp = torch.zeros(b, n, dtype=torch.long, device=dev), torch.zeros(b, n, device=dev)
+        self.lengths = torch.zeros(b, dtype=torch.long, device=dev)
+        self.stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.top_ids = torch.zeros(b, n, k, dtype=torch.long, device=dev) if k else None
+        self.top_lp = torch.zeros(b, n, k, device=dev) if k else None
+        self.rows = torch.arange(b, device=dev)  # original index of each row still in the batch
+        self.alive = torch.ones(b, dtype=torch.bool, device=dev)
+        self.text_stops = {i: _TextStops(r.params.stop) for i, r in enumerate(requests) if r.params.stop}  # by row
+        self.wants_text = torch.tensor([bool(r.params.stop) for r in requests], device=dev)  # [B]
+
+    def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, int]:
+        """Token `step` of every row still in the batch, recorded with its log-probs; rows that stop or reach their
+        budget finish. Returns the tokens [R] and how many rows are still decoding."""
+        rows, alive = self.rows, self.alive
+        tok, lp = _sample(logits, self.temps, self.seeds, step)
+        self.out_tokens[rows, step], self.out_lp[rows, step] = tok, lp
+        if self.k:
+            self.top_lp[rows, step], self.top_ids[rows, step] = _topk_logprobs(logits, self.temps, self.k)
+        hit = (tok.unsqueeze(1) == self.stops).any(1)
+        if self.text_stops:  # only batches with stop strings pay for decoding text
+            hit |= _text_stop_hits(self.tokenizer, self.text_stops, rows, tok, alive & self.wants_text)
+        done = alive & (hit | (self.budgets <= step + 1))
+        self.lengths[rows[done]] = step + 1
+        self.stopped[rows[done]] = hit[done]
+        alive &= ~done
+        return tok, int(alive.sum())
+
+    def compact(self, tok: torch.Tensor, n_alive: int) -> torch.Tensor:
+        """Drop finished rows once they are a quarter of the batch (they stop costing compute); returns `tok` for the
+        rows kept."""
+        if 4 * (len(self.rows) - n_alive) < len(self.rows):
+            return tok
+        keep = self.alive.nonzero().squeeze(1)
+        self.cache.batch_select_indices(keep)
+        (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text, self.next_pos, self.mask, tok,
+         self.alive) = (x[keep] for x in (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text,
+                                          self.next_pos, self.mask, tok, self.alive))
+        return tok
+
+    def forward(self, tok: torch.Tensor, step: int) -> torch.Tensor:
+        """Token `step` of each row through the model (one position, through the cache); returns the next logits."""
+        logits = self.model(input_ids=tok.unsqueeze(1), attention_mask=self.mask[:, :self.p + step + 1],
+                            position_ids=self.next_pos.unsqueeze(1), use_cache=True,
+                            **cache_kwargs(self.model, self.cache)).logits[:, -1]
+        self.next_pos = self.next_pos + 1
+        return logits
+
+    def recompute(self, step: int) -> torch.Tensor:
+        """As if each row were aborted and resubmitted with its prefix: prompt and tokens 0..`step` prefilled again into
+        a new cache (the KV computed under the old weights is dropped); returns the next logits."""
+        seq = torch.cat([self.ids[self.rows], self.out_tokens[self.rows, :step + 1]], dim=1)  # [R, P + step + 1]
+        seq_mask = self.mask[:, :self.p + step + 1]
+        self.cache = new_cache(self.model, self.p + self.n)
+        logits = self.model(input_ids=seq, attention_mask=seq_mask, position_ids=(seq_mask.cumsum(1) - 1).clamp(min=0),
+                            use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache)).logits[:, -1]
+        self.next_pos = self.next_pos + 1
+        return logits
+
+    def results(self, step_versions: list[int]) -> tuple:
+        """The outputs on the CPU (`decode` says what each is), with the version of each step's token."""
+        cpu = (lambda x: None if x is None else x.cpu())
+        return (self.out_tokens.cpu(), self.out_lp.cpu(), self.lengths.cpu(), self.stopped.cpu(), cpu(self.top_ids),
+                cpu(self.top_lp), step_versions)
+
+
+def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest], seeds: torch.Tensor,
+           version: int, *, device: torch.device, stats: dict[str, Any], weight_updates: str,
+           take_loads: Callable[[], int | None]) -> tuple:
+    """Prefill + decode one batch with `version`'s weights. Returns tokens [B, N], logprobs [B, N], lengths [B],
+    stopped [B], top-K ids and log-probs [B, N, K] when a request asks for them (else None, None), all on CPU, and the
+    version of the weights that produced each step's token ([N]: one version throughout, except in in-flight mode,
+    where `take_loads` lets waiting loads run between two steps and returns the version now served, or None)."""
+    batch = _Batch(model, tokenizer, requests, seeds, device)
+    clock = _Clock(stats)  # where the batch's time goes (`stats`)
+    logits = batch.prefill()
+    clock.lap("prefill_s")
+    pacing = InflightPacing(weight_updates)
+    step_versions: list[int] = []
+    for step in range(batch.n):
+        step_versions.append(version)  # the weights that computed `logits`
+        tok, n_alive = batch.sample(logits, step)
+        clock.lap("sample_s")
+        if n_alive == 0:
+            break
+        tok = batch.compact(tok, n_alive)
+        if pacing.due() and (loaded := take_loads()) is not None and loaded != version:
+            version = loaded  # the next tokens come from the new weights
+            stats["inflight_loads"] += 1
+            if pacing.recompute:
+                started = time.perf_counter()
+                logits = batch.recompute(step)
+                stats["recompute_s"] += pacing.recomputed(started)
+                clock.lap("prefill_s")
+                continue
+        logits = batch.forward(tok, step)
+        clock.lap("forward_s")
+    out = batch.results(step_versions)
+    clock.lap("output_s")
+    return out
+
+
+def completions(requests: list[GenerationRequest], decoded: tuple) -> list[Completion]:
+    """One `Completion` per request from `decode`'s results: its tokens up to its length, their log-probs, versions
+    and top-K log-probs (when it asked for them), and why it ended."""
+    tokens, logprobs, lengths, stopped, top_ids, top_lp, step_versions = decoded
+    tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
+    top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
+    out = []
+    for i, n in enumerate(lengths):
+        k = requests[i].params.top_k_logprobs
+        topk = ((tuple(tuple(row[:k]) for row in top_ids[i][:n]), tuple(tuple(row[:k]) for row in top_lp[i][:n]))
+                if k and top_ids is not None else ((), ()))
+        out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), tuple(step_versions[:n]),
+                              "stop" if stopped[i] else "length", *topk))
+    return out
