@@ -71,6 +71,7 @@ if sys.argv[1] == "astratk-first":
 """
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 def test_the_import_hook_rescues_transformers_from_a_broken_cuda_torchvision(tmp_path):
     """End to end in a fresh interpreter: a torchvision that fails to import the way a CUDA build on a CPU torch does
     (first on the path, with package metadata, as pip leaves it) breaks transformers' model classes unless astratk

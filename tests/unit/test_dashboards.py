@@ -242,6 +242,7 @@ def test_dashboard_composes_what_the_dataset_supports(ds):
         build_dataset(["main"], {}, {}, {}).astra.dashboard()
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 def test_save_writes_standalone_html_and_png(ds, tmp_path):
     import holoviews as hv
     from PIL import Image

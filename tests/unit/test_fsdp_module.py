@@ -85,6 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 @pytest.mark.timeout(240)
 def test_sharded_step_equals_the_whole_batch_step(model_path, tmp_path):
     out = str(tmp_path / "r")

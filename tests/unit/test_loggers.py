@@ -118,6 +118,7 @@ def test_run_spec_validates_loggers_and_yaml_sets_them(tmp_path):
     assert parse(["--config", str(path)]).policies[0].trainer.loggers == ["csv", "tensorboard"]
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 def test_wandb_offline_and_mlflow_local_store_when_installed(model_path, tmp_path, monkeypatch):
     """The `loggers` extra (.ci/run installs it): W&B logs offline into the run directory, MLflow into a SQLite store
     there; both see the trainer's metrics."""

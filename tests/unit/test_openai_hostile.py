@@ -97,6 +97,7 @@ def test_bodies_that_are_not_json_get_a_400(endpoint, data, headers):
     assert status == 400 and "not JSON" in reply["error"]["message"]
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 def test_a_body_over_the_size_cap_gets_a_json_413():
     engine = ScriptedEngine(TOK, lambda prompt, params: [END])
     with OpenAIEndpoint(engine, model="m") as ep:

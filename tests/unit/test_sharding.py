@@ -54,6 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier
 @pytest.mark.timeout(180)
 def test_fsdp2_gather_gives_rank0_the_whole_model_and_clipping_sees_every_shard(tmp_path):
     out = str(tmp_path / "result")
