@@ -81,8 +81,9 @@ def check_output_dir(spec: RunSpec) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".astratk-write-check-", dir=existing))
     except OSError as e:
-        raise StartError(f"output_dir: cannot create a run directory in {str(existing)!r} ({e.strerror or e}); "
-                         "give a directory you can write to") from None
+        where = "" if existing == target else f" (its nearest existing part is {str(existing)!r})"
+        raise StartError(f"output_dir: cannot create a run directory in {str(target)!r}{where}: "
+                         f"{e.strerror or e}; give a directory you can write to") from None
 
 
 def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:
