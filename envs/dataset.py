@@ -161,7 +161,6 @@ class DatasetEnv(Env):
         if self.eval_dataset is None and eval_dataset is not None:
             self.eval_dataset = f"in-memory dataset: {len(held_rows)} rows"
 
-
     @staticmethod
     def _heldout_count(heldout: float, n: int) -> int:
         if isinstance(heldout, bool) or not isinstance(heldout, numbers.Real) or not heldout > 0:

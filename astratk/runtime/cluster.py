@@ -16,6 +16,8 @@ a `distributed.client.security-loader`; a `tls://` address with neither fails at
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -69,10 +71,71 @@ def security(spec: RunSpec) -> Any:
                     tls_client_key=path(c.tls.key))
 
 
+# How long refused connections are retried before giving up: a scheduler that is just starting (a job script that
+# starts it beside its workers) gets this long to listen; an address that accepts waits the full startup timeout.
+REFUSED_GRACE_S = 5.0
+
+
+def check_listening(address: str, timeout_s: float, grace_s: float = REFUSED_GRACE_S) -> None:
+    """Raise `ConnectionRefusedError` within `grace_s` (at most `timeout_s`) when nothing listens at a tcp:// or
+    tls:// address: every attempt refused, or the host unknown. distributed's `Client` would retry those for its
+    whole timeout (120 s by default) before saying anything. An address that accepts a connection, or one whose
+    packets go unanswered, returns at once and gets the full timeout from the client."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme not in ("tcp", "tls") or not host or not port.isdigit():
+        return  # other transports (inproc, ucx) and malformed addresses: distributed says what is wrong
+    host, grace = host.strip("[]"), min(grace_s, timeout_s)
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except (ConnectionRefusedError, socket.gaierror) as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionRefusedError(f"nothing accepts connections at {address} "
+                                             f"({e.strerror or e}, retried for {grace:.0f}s)") from None
+            time.sleep(0.25)
+        except OSError:  # no answer (a firewall dropping packets, a host that is down): the client's timeout decides
+            return
+
+
+# distributed's `Client(timeout=...)` bounds connecting, not the handshake: against an address that accepts TCP and
+# never answers (a wrong port, a half-dead scheduler) it waits forever. Clients are made on a thread given this long
+# beyond the timeout.
+HANDSHAKE_GRACE_S = 10.0
+
+
+def open_client(address: str, timeout_s: float, security: Any = None, set_as_default: bool = False) -> Any:
+    """A `distributed.Client` for `address` that fails in bounded time: `ConnectionRefusedError` within seconds when
+    nothing listens (`check_listening`), `TimeoutError` when the address accepts but does not answer as a Dask
+    scheduler within `timeout_s` + `HANDSHAKE_GRACE_S`, and distributed's own errors otherwise (all OSErrors)."""
+    from distributed import Client
+
+    check_listening(address, timeout_s)
+    made: dict[str, Any] = {}
+
+    def make() -> None:
+        try:
+            made["client"] = Client(address, timeout=timeout_s, security=security, set_as_default=set_as_default)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            made["error"] = e
+
+    # A daemon thread: a handshake that never ends must not keep the process alive at exit.
+    thread = threading.Thread(target=make, name=f"astratk-connect-{address}", daemon=True)
+    thread.start()
+    thread.join(timeout_s + HANDSHAKE_GRACE_S)
+    if thread.is_alive():
+        raise TimeoutError(f"{address} accepts connections but did not answer as a Dask scheduler within "
+                           f"{timeout_s + HANDSHAKE_GRACE_S:.0f}s")
+    if "error" in made:
+        raise made["error"]
+    return made["client"]
+
+
 def connect(spec: RunSpec) -> Any:
     """A `distributed.Client` attached to `cluster.scheduler_address` (with `security(spec)`), waiting at most
     `cluster.startup_timeout_s`; the error names the address and what to check."""
-    from distributed import Client
 
     c = spec.cluster
     if not c.scheduler_address:
@@ -81,11 +144,13 @@ def connect(spec: RunSpec) -> Any:
     sec = security(spec)
     try:
         # not the process's default client: a run's client must not change Dask's process-wide settings
-        return Client(c.scheduler_address, security=sec, timeout=c.startup_timeout_s, set_as_default=False)
+        return open_client(c.scheduler_address, c.startup_timeout_s, sec, set_as_default=False)
     except OSError as e:  # distributed's comm errors, SSL errors and its connect timeout are all OSErrors
         hint = "is `dask scheduler` running there, and reachable from this machine?"
         if c.scheduler_address.startswith("tls://"):
             hint += (" Over TLS, the scheduler's, the workers' and this client's certificates (cluster.tls or Dask's "
                      "TLS config) must be signed by one CA")
+        if isinstance(e, ConnectionRefusedError):  # said in seconds by check_listening
+            raise ConnectionError(f"could not connect to the Dask scheduler: {e}; {hint}") from e
         raise ConnectionError(f"could not connect to the Dask scheduler at {c.scheduler_address} within "
                               f"{c.startup_timeout_s:.0f}s (cluster.startup_timeout_s): {e}; {hint}") from e

@@ -175,7 +175,6 @@ class Session(Drive, WrapUp, LiveMetrics):
         else:
             from distributed import Client
 
-
             self.cluster = cluster = start_local_cluster(spec, processes=spec.cluster.processes)
             self._on_exit(cluster.close)
             # Not the process's default client: several runs may share a process (a notebook), and a default

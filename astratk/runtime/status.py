@@ -8,13 +8,12 @@ from typing import Any
 
 from astratk.dataflow.client import DataLayerClient
 from astratk.runtime import registry
+from astratk.runtime.cluster import open_client
 from astratk.spec.cluster import dask_config_has_tls
 
 
 def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.0, security: Any = None
                  ) -> Iterator[str]:
-    from distributed import Client
-
 
     if scheduler.startswith("tls://") and security is None and not dask_config_has_tls():
         # distributed would fail deep in its TLS connector with a TypeError
@@ -24,7 +23,7 @@ def status_lines(scheduler: str, name: str | None = None, timeout_s: float = 30.
     try:
         # a private client (fetched actors are bound to it: registry.fetch); security: the run config's
         # cluster.tls, else Dask's config
-        client = Client(scheduler, timeout=timeout_s, security=security, set_as_default=False)
+        client = open_client(scheduler, timeout_s, security, set_as_default=False)
     except OSError as e:
         raise OSError(f"cannot reach the Dask scheduler at {scheduler} within {timeout_s:.0f}s ({e})") from None
     with client:

@@ -32,7 +32,7 @@ import torch
 
 from astratk.config import load_spec
 from astratk.runtime import registry
-from astratk.runtime.cluster import security
+from astratk.runtime.cluster import open_client, security
 from astratk.spec import StartError
 from astratk.spec.cluster import dask_config_has_tls
 from astratk.training import build
@@ -49,8 +49,7 @@ def _client(scheduler: str | None, spec: Any, timeout_s: float | None = None) ->
     `cluster.scheduler_address`, else the current default client), with the run config's
     `cluster.tls` certificates, waiting at most `timeout_s` (None: `cluster.startup_timeout_s`).
     A scheduler it cannot reach is a `StartError` naming the address (one line from the CLI)."""
-    from distributed import Client, default_client
-
+    from distributed import default_client
 
     timeout_s = spec.cluster.startup_timeout_s if timeout_s is None else timeout_s
     scheduler = scheduler or spec.cluster.scheduler_address
@@ -68,9 +67,12 @@ def _client(scheduler: str | None, spec: Any, timeout_s: float | None = None) ->
                              "{ca_file, cert, key} in the run config (docs/cluster.md)")
         try:
             # The default client: actors fetched from a dataset find their client through it.
-            _CLIENTS[scheduler] = Client(scheduler, timeout=timeout_s, security=sec)
+            _CLIENTS[scheduler] = open_client(scheduler, timeout_s, sec, set_as_default=True)
         except OSError as e:  # refused, timed out, TLS handshake: distributed raises OSErrors
             reason = " ".join(str(e).split()) or type(e).__name__
+            if isinstance(e, ConnectionRefusedError):  # said in seconds by check_listening
+                raise StartError(f"--scheduler: {reason}; is the Dask scheduler running there, and reachable from "
+                                 "here?") from None
             raise StartError(f"--scheduler: cannot reach the Dask scheduler at {scheduler} within "
                              f"{timeout_s:.0f}s (cluster.startup_timeout_s): {reason}; is it running, "
                              "and reachable from here?") from None

@@ -151,7 +151,6 @@ class MicroBatchSteps:
         else:
             self.trainer.strategy.backward(loss, None)
 
-
     def _assemble(self, batch: TrainBatch, saved: list) -> tuple[PolicyForward, torch.Tensor | None,
                                                                  torch.Tensor | None]:
         """Whole-batch [B, T] outputs from the micro-batches' (rows, forward, reference, proximal), detached."""

@@ -234,7 +234,54 @@ def test_train_fit_gives_up_on_an_unreachable_scheduler_after_startup_timeout_s(
     line = one_line_error(capsys, ["train", "fit", "--run_config", cfg, "--deployment", "d",
                                    "--scheduler", "tcp://127.0.0.1:9"])
     assert time.monotonic() - t < 60  # the default is 120 s: this one honours the config's 2 s
-    assert "tcp://127.0.0.1:9" in line and "within 2s (cluster.startup_timeout_s)" in line, line
+    assert "tcp://127.0.0.1:9" in line and "retried for 2s" in line, line
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_train_fit_on_a_refused_address_fails_in_seconds_not_after_startup_timeout_s(tmp_path, capsys):
+    """Nothing listening: refusals are retried for a few seconds (a scheduler that is just starting), then one line;
+    the config's 120 s startup timeout is for an address that accepts but does not answer."""
+    from astratk.runtime.cluster import REFUSED_GRACE_S
+
+    cfg = write(tmp_path / "c.yaml", {"cluster": {"startup_timeout_s": 120}})
+    address = f"tcp://127.0.0.1:{_closed_port()}"
+    t = time.monotonic()
+    line = one_line_error(capsys, ["train", "fit", "--run_config", cfg, "--deployment", "d", "--scheduler", address])
+    assert REFUSED_GRACE_S <= time.monotonic() - t < REFUSED_GRACE_S + 20, time.monotonic() - t
+    assert address in line and "nothing accepts connections" in line, line
+
+
+def test_a_scheduler_that_starts_listening_within_the_grace_is_waited_for():
+    """A refused address that starts listening a second later is accepted (job scripts start the scheduler beside
+    the trainer); one that accepts passes at once."""
+    import socket
+    import threading
+
+    from astratk.runtime.cluster import check_listening
+
+    port = _closed_port()
+    server = socket.socket()
+
+    def listen_later() -> None:
+        time.sleep(1.0)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+    threading.Thread(target=listen_later, daemon=True).start()
+    t = time.monotonic()
+    check_listening(f"tcp://127.0.0.1:{port}", timeout_s=120, grace_s=10)
+    assert 0.9 < time.monotonic() - t < 9
+    check_listening(f"tls://127.0.0.1:{port}", timeout_s=120, grace_s=10)  # listening: at once
+    server.close()
+    check_listening("inproc://x", timeout_s=1)  # other transports are left to distributed
 
 
 # ----------------------------------------------------------------------------------------------------- status
