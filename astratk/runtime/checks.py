@@ -14,7 +14,7 @@ from pathlib import Path
 from astratk.gpu import check_fit, cuda_visible_devices, gpu_index, resolve_device, rollout_gpus, visible_gpus
 from astratk.registry import REGISTRY, resolve_path
 from astratk.runtime.resume import checkpoint_time_used, find_resume_point, same_store
-from astratk.spec import RunSpec, StartError
+from astratk.spec import ModelSpec, RunSpec, StartError
 from astratk.spec.model import is_hub_id, is_pypi_path
 from astratk.training.build import placement
 
@@ -50,19 +50,26 @@ def check_resume(spec: RunSpec) -> None:
 
 
 def check_lora(spec: RunSpec) -> None:
-    """Each policy's `model.lora.target_modules` against its model's layers (`astratk.models.lora`), from the model's
-    config alone, for the tiny model and local directories; a Hub id or a GGUF file is checked once the run has
-    resolved it (downloaded, dequantized), and every model again when its adapters are made."""
-    from astratk.models.lora import check_model_spec
-
+    """Each policy's `model.lora.target_modules` against its model's layers, for the tiny model and local
+    directories; a Hub id, a GGUF file or a wheel is checked once the run has resolved it (`check_lora_at`), and
+    every model again when its adapters are made."""
     for i, p in enumerate(spec.policies):
         m = p.model
-        if m.lora is None or (m.path is not None and (m.is_gguf or is_hub_id(m.path) or is_pypi_path(m.path))):
-            continue
-        try:
-            check_model_spec(m, f"policies[{i}].model")
-        except ValueError as e:  # one line at start (the CLI prints a StartError alone)
-            raise StartError(str(e)) from None
+        if m.path is None or not (m.is_gguf or is_hub_id(m.path) or is_pypi_path(m.path)):
+            check_lora_at(m, f"policies[{i}].model")
+
+
+def check_lora_at(model: ModelSpec, key: str, directory: str | Path | None = None) -> None:
+    """One model's LoRA target modules against its layers (`astratk.models.lora`), from its config alone;
+    `directory`: where it was resolved to (default: `model.path`). A `StartError`: one line at start."""
+    if model.lora is None:
+        return
+    from astratk.models.lora import check_model_spec
+
+    try:
+        check_model_spec(model, key, directory)
+    except ValueError as e:
+        raise StartError(str(e)) from None
 
 
 def check_output_dir(spec: RunSpec) -> None:

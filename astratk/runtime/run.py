@@ -31,7 +31,7 @@ from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
 from astratk.models.hub import is_hub_id, resolve
 from astratk.models.pypi import is_pypi_path, resolve_pypi
 from astratk.runtime.view import LiveView, render
-from astratk.spec import RunSpec, StartError
+from astratk.spec import RunSpec
 
 
 @dataclass
@@ -193,14 +193,18 @@ class Run:
                 self.print(f"model for {p.policy_id!r}: Hub {m.path}@{resolved.revision} -> {resolved.directory}")
                 m.revision = resolved.revision
             if is_hub_id(m.path) or is_pypi_path(m.path):
-                _check_lora(m, f"policies[{i}].model", resolved.directory)
+                from astratk.runtime.checks import check_lora_at  # loads torch
+
+                check_lora_at(m, f"policies[{i}].model", resolved.directory)
             out[p.policy_id] = resolved.as_record()
         return out
 
     def _resolve_gguf(self, m: Any, key: str) -> dict[str, Any]:
         file = resolve_gguf_file(m.path, m.gguf_file, m.revision, key=key, cache_dir=m.cache_dir)
         directory = gguf_directory(file, key=f"{key}.path", cache_dir=m.cache_dir, log=self.print)
-        _check_lora(m, key, directory)
+        from astratk.runtime.checks import check_lora_at  # loads torch
+
+        check_lora_at(m, key, directory)
         return {"path": m.path, "directory": str(directory), "repo_id": None, "revision": m.revision,
                 "gguf_file": str(file), "sha256": file_sha256(file)}
 
@@ -374,16 +378,3 @@ def _first_step_s(session: Any, started: float) -> tuple[float | None, float | N
             if end is not None:
                 return recorder.t0 + end - compute - started, recorder.t0 + end - started
     return None, None
-
-
-def _check_lora(model: Any, key: str, directory: Any) -> None:
-    """A Hub, GGUF or wheel model's LoRA target modules, once resolved (local ones are checked by `Run(spec)`:
-    `astratk.runtime.checks.check_lora`)."""
-    if model.lora is None:
-        return
-    from astratk.models.lora import check_model_spec
-
-    try:
-        check_model_spec(model, key, directory)
-    except ValueError as e:
-        raise StartError(str(e)) from None
