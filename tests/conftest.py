@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A run draws dashboard.html/.png at its end (2-7 s of CPU each); the suite's ~100 runs skip it, subprocesses included,
+# except the tests that check the drawing (tests/integration/test_local_run.py, test_dashboard_browser.py).
+os.environ.setdefault("ASTRATK_DASHBOARD", "0")
 
 import torch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import html
 import json
+import os
 import shutil
 import threading
 import time
@@ -309,10 +310,13 @@ class Run:
         files = {"metrics": save(ds, run_dir / "metrics.nc")}
         files["summary"] = run_dir / "summary.json"
         files["summary"].write_text(json.dumps(summary, indent=2, default=float))
-        try:  # a run that ended early may have too little to plot; its metrics and summary are written already
-            files.update(ds.astra.save(run_dir / "dashboard"))
-        except Exception as e:  # noqa: BLE001 - reported
-            self.print(f"dashboard not written: {type(e).__name__}: {e}")
+        if os.environ.get("ASTRATK_DASHBOARD", "1") == "0":  # sweeps, test suites: ~2-7 s of drawing saved per run
+            self.print("dashboard not written (ASTRATK_DASHBOARD=0): RunResult.metrics().astra.save(STEM) draws it")
+        else:
+            try:  # a run that ended early may have too little to plot; its metrics and summary are written already
+                files.update(ds.astra.save(run_dir / "dashboard"))
+            except Exception as e:  # noqa: BLE001 - reported
+                self.print(f"dashboard not written: {type(e).__name__}: {e}")
         self._report(summary, files)
         return RunResult(run_dir, summary, files)
 

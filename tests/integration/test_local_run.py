@@ -43,7 +43,8 @@ def small_spec(tmp_path, processes: bool = True, **trainer) -> RunSpec:
     )
 
 
-def test_local_run_advances_versions_and_writes_metrics(tmp_path):
+def test_local_run_advances_versions_and_writes_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASTRATK_DASHBOARD", "1")  # the suite skips the drawing elsewhere (tests/conftest.py)
     lines: list[str] = []
     result = Run(small_spec(tmp_path), printer=lines.append).start()
     s = result.summary

