@@ -2,7 +2,8 @@
 
 Agents written against the OpenAI chat API (the `openai` client, LangGraph, smolagents...) talk to
 `OpenAIEndpoint.base_url` as to any OpenAI server: `GET /v1/models` and `POST /v1/chat/completions` (`messages`,
-`n`, `temperature`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `logprobs` / `top_logprobs`, `tools`).
+`n`, `temperature`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `logprobs` / `top_logprobs`, `tools`,
+`stream` / `stream_options`: Server-Sent Events as OpenAI streams them, `astratk.rollout.openai_stream`).
 The endpoint renders the messages with the model's own chat template (tools passed to it), generates with the
 engine, and answers in OpenAI's format, tool calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the
 generated text, Hermes/Qwen style) as `tool_calls`.
@@ -43,6 +44,9 @@ from typing import Any
 
 from astratk.rollout.openai_format import RequestError, parse_request
 from astratk.rollout.openai_sessions import DEFAULT_SESSION, SessionCapture
+from astratk.rollout.openai_stream import chunks, sse
+
+KEEPALIVE_S = 5.0  # a stream whose sample is not ready sends an SSE comment this often
 
 
 class OpenAIEndpoint(SessionCapture):
@@ -60,11 +64,15 @@ class OpenAIEndpoint(SessionCapture):
 
     def __init__(self, engine: Any = None, model: str = "astratk", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_model_len: int | None = None, default_max_tokens: int = 256,
-                 keep_calls: int = 100_000, max_sessions: int = 10_000) -> None:
+                 keep_calls: int = 100_000, max_sessions: int = 10_000, max_inflight: int = 1024) -> None:
         super().__init__(engine, model, max_model_len=max_model_len, default_max_tokens=default_max_tokens,
                          keep_calls=keep_calls, max_sessions=max_sessions)
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.host, self.port = host, port
         self.api_key = api_key
+        self.max_inflight = max_inflight  # completions held at once; more are shed with a 429 (clients retry)
+        self.inflight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: Any = None
         self._thread: threading.Thread | None = None
@@ -139,7 +147,8 @@ class OpenAIEndpoint(SessionCapture):
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        # backlog: a burst of connections waits in the kernel's queue instead of being refused (default 128)
+        await web.TCPSite(self._runner, self.host, self.port, backlog=4096).start()
         self.port = self._runner.addresses[0][1]  # the port the OS chose for port 0
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -175,9 +184,23 @@ class OpenAIEndpoint(SessionCapture):
             {"id": self.model, "object": "model", "created": 0, "owned_by": "astratk"}]})
 
     async def _chat(self, request: Any) -> Any:
+        self.stats["requests"] += 1
+        if self.inflight >= self.max_inflight:  # shed before reading the body: a flood costs no memory
+            self.stats["shed"] += 1
+            response = self._error(RequestError(429, f"the endpoint holds {self.inflight} requests, its max_inflight; "
+                                                "retry shortly", kind="rate_limit_error", code="rate_limit_exceeded"))
+            response.headers["Retry-After"] = "1"
+            return response
+        self.inflight += 1
+        self.stats["max_inflight_seen"] = max(self.stats["max_inflight_seen"], self.inflight)
+        try:
+            return await self._chat_held(request)
+        finally:
+            self.inflight -= 1
+
+    async def _chat_held(self, request: Any) -> Any:
         from aiohttp import web
 
-        self.stats["requests"] += 1
         if not self._authorised(request):
             return self._error(RequestError(401, "invalid API key: send Authorization: Bearer <api_key>",
                                             code="invalid_api_key"))
@@ -194,9 +217,46 @@ class OpenAIEndpoint(SessionCapture):
                                    f"{self.model!r}", param="model", code="model_not_found")
             parsed = parse_request(body, self.default_max_tokens)
             sess = self._session(session)
-            return web.json_response(await self._complete(parsed, session, sess))
+            if parsed.stream:
+                return await self._stream(request, parsed, session, sess)
+            answer, _ = await self._complete(parsed, session, sess)
+            return web.json_response(answer)
         except RequestError as e:
             return self._error(e)
         except Exception as e:  # noqa: BLE001 - the server answers, whatever went wrong inside
             return self._error(RequestError(500, f"{type(e).__name__}: {e}", kind="server_error"))
 
+    async def _stream(self, request: Any, parsed: Any, session: str, sess: Any) -> Any:
+        """`stream: true` (astratk.rollout.openai_stream): sample and record as without streaming, then send the
+        answer as chunks. A refusal that comes within KEEPALIVE_S is a plain error response; after that the stream
+        has begun, keep-alive comments flow while the engine samples, and an error is an SSE error event."""
+        from aiohttp import web
+
+        task = asyncio.ensure_future(self._complete(parsed, session, sess))
+        await asyncio.wait({task}, timeout=KEEPALIVE_S)
+        if task.done() and task.exception() is not None:
+            raise task.exception()  # answered as a status code by _chat
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        try:
+            await response.prepare(request)
+            while not task.done():
+                await response.write(b": keep-alive\n\n")
+                await asyncio.wait({task}, timeout=KEEPALIVE_S)
+            try:
+                answer, completions = task.result()
+            except Exception as e:  # noqa: BLE001 - sent to the client, which has a 200 already
+                error = e if isinstance(e, RequestError) else RequestError(500, f"{type(e).__name__}: {e}",
+                                                                           kind="server_error")
+                self.stats["errors"] += 1
+                await response.write(sse(error.body()))
+            else:
+                tok = (sess.engine if sess.engine is not None else self.engine).tokenizer
+                for chunk in chunks(answer, completions, tok, parsed.include_usage, parsed.logprobs):
+                    await response.write(sse(chunk))
+                self.stats["streamed"] += 1
+            await response.write(sse("[DONE]"))
+            await response.write_eof()
+        except ConnectionError:  # the client left mid-stream: its call is recorded all the same
+            self.stats["stream_disconnects"] += 1
+        return response

@@ -46,6 +46,8 @@ class ChatRequest:
     parse_tools: bool
     extra: dict[str, Any] = field(default_factory=dict)
     given: frozenset[str] = frozenset()  # the sampling fields the request set itself (temperature, max_tokens)
+    stream: bool = False  # answer as Server-Sent Events (astratk.rollout.openai_stream)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
 
 
 def _number(body: dict[str, Any], key: str, default: Any, lo: float, hi: float, integer: bool = False) -> Any:
@@ -133,15 +135,34 @@ def parse_request(body: Any, default_max_tokens: int) -> ChatRequest:
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if top and not logprobs:
         raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if body.get("stream"):
-        raise RequestError(400, "streaming is not supported by this endpoint; send stream: false", param="stream")
+    stream, include_usage = _stream_options(body)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, top_k_logprobs=top,
                             stop=tuple(stops), n=n)
     parse_tools = bool(tools) and body.get("tool_choice") != "none"
     given = frozenset(k for k, present in (("temperature", body.get("temperature") is not None),
                                            ("max_tokens", body.get("max_tokens") is not None
                                             or body.get("max_completion_tokens") is not None)) if present)
-    return ChatRequest(messages, tools or None, params, logprobs, top, parse_tools, given=given)
+    return ChatRequest(messages, tools or None, params, logprobs, top, parse_tools, given=given, stream=stream,
+                       include_usage=include_usage)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`), checked as OpenAI checks them."""
+    stream = body.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or not isinstance(options, dict) or set(options) - {"include_usage",
+                                                                                         "include_obfuscation"}:
+        raise RequestError(400, "'stream_options' must be an object like {\"include_usage\": true}",
+                           param="stream_options")
+    return stream, usage
 
 
 def _tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -95,7 +95,7 @@ class SessionCapture:
         self._lock = threading.Lock()
         self._turns_api: dict[int, tuple[Any, Any]] = {}
         self.stats = {"requests": 0, "errors": 0, "completion_tokens": 0, "prompt_tokens": 0, "reused_turns": 0,
-                      "rendered_prompts": 0}
+                      "rendered_prompts": 0, "streamed": 0, "stream_disconnects": 0, "shed": 0, "max_inflight_seen": 0}
 
     # --------------------------------------------------------------------------------------------- sessions
     def register_session(self, session: str, engine: Any = None, *, loop: asyncio.AbstractEventLoop | None = None,
@@ -197,8 +197,10 @@ class SessionCapture:
         return self._render(tok, parsed), None
 
     # --------------------------------------------------------------------------------------------- calls
-    async def _complete(self, parsed: ChatRequest, session: str, sess: Session) -> dict[str, Any]:
-        """Answer a checked request in `session`: generate, record the call, remember its turns; the OpenAI body."""
+    async def _complete(self, parsed: ChatRequest, session: str, sess: Session
+                        ) -> tuple[dict[str, Any], tuple[Completion, ...]]:
+        """Answer a checked request in `session`: generate, record the call, remember its turns; the OpenAI body
+        and the completions it was written from (a stream cuts their text at token boundaries)."""
         engine = sess.engine if sess.engine is not None else self.engine
         tok = engine.tokenizer
         tools = json.dumps(parsed.tools, sort_keys=True)
@@ -227,7 +229,7 @@ class SessionCapture:
         return {"id": call_id, "object": "chat.completion", "created": int(started), "model": self.model,
                 "choices": choices, "system_fingerprint": None,
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": used,
-                          "total_tokens": len(prompt) + used}}
+                          "total_tokens": len(prompt) + used}}, completions
 
 
 def _sampling(sess: Session, parsed: ChatRequest, prompt: tuple[int, ...], tok: Any,
