@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from astratk.runtime.main_guard import check_main_guard
 from astratk.spec import RunSpec
 from astratk.spec.cluster import check_tls
 
@@ -31,6 +32,8 @@ def start_local_cluster(spec: RunSpec, processes: bool = True) -> Any:
     its elastic class can be resized mid-run (`cluster.scale_pool(n)`, or Dask's adaptive scaling)."""
     from astratk.runtime.pools import start_pool_cluster
 
+    if processes:  # spawned workers re-import the script that started the run: one line, not pages of tracebacks
+        check_main_guard()
     return start_pool_cluster(spec, processes)
 
 

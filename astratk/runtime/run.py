@@ -31,6 +31,7 @@ from astratk.config import dump_spec, load_spec
 from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
 from astratk.models.hub import is_hub_id, resolve
 from astratk.models.pypi import is_pypi_path, resolve_pypi
+from astratk.runtime.main_guard import check_main_guard
 from astratk.runtime.view import LiveView, render
 from astratk.spec import RunSpec
 
@@ -120,6 +121,8 @@ class Run:
         background and return this handle (`wait()` gives the result)."""
         if self._thread is not None or self.result is not None:
             raise RuntimeError(f"run {self.spec.name!r} was already started; make a new Run to train again")
+        if self.spec.cluster.processes and self.spec.cluster.scheduler_address is None:
+            check_main_guard(f"run {self.spec.name!r}")  # before a background thread hides the caller's frames
         if block:
             return self._run()
         self._thread = threading.Thread(target=self._background, name="astratk-run", daemon=True)
