@@ -148,7 +148,8 @@ class AgentEnv(DatasetEnv):
             policies. The first role's URL is also `base_url`.
         eval_dataset, heldout, system_prompt, seed, name: as for `FunctionEnv`.
         demonstrations: for a tiny model's supervised warm start: a callable task row -> list of (messages,
-            completion text, tools or None), one per assistant turn of a good episode; or a column holding that list.
+            completion, tools or None), one per assistant turn of a good episode; or a column holding that list. A
+            completion is text, or an assistant message (`content`, `tool_calls`) that the chat template renders.
         agent_timeout_s: the longest an episode's agent may run.
         reward_timeout_s: the longest one reward call may run.
         error_reward: the reward of an episode whose agent raised or timed out (None: unscored, dropped, counted).

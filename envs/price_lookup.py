@@ -83,12 +83,13 @@ def reward(task: dict[str, Any], output: Any) -> float:
     return 1.0 if isinstance(output, str) and output.strip() == task["answer"] else 0.0
 
 
-def demonstrations(task: dict[str, Any]) -> list[tuple[list[dict[str, Any]], str, list[dict[str, Any]]]]:
-    """A good episode as (messages so far, the assistant's next message, tools), one per assistant turn."""
+def demonstrations(task: dict[str, Any]) -> list[tuple[list[dict[str, Any]], Any, list[dict[str, Any]]]]:
+    """A good episode as (messages so far, the assistant's next message, tools), one per assistant turn: a message
+    dict (a tool call) or the text of the answer."""
     ask = [{"role": "user", "content": task["prompt"]}]
     arguments = {"item": task["item"]}
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": arguments}}]}
     result = {"role": "tool", "tool_call_id": "call_0", "content": lookup(task["prices"], task["item"])}
-    first = '<tool_call>{"name": "lookup", "arguments": ' + json.dumps(arguments) + "}</tool_call>"
-    return [(ask, first, TOOLS), ([*ask, call, result], task["answer"], TOOLS)]
+    # the call as a message: the model's chat template writes its text (no template text written by hand here)
+    return [(ask, call, TOOLS), ([*ask, call, result], task["answer"], TOOLS)]

@@ -32,6 +32,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,7 +81,35 @@ def _examples(tok, env: Env, task: Task) -> list[tuple[list[int], list[int]]]:
     out = []
     for demo in env.demonstrations(task):  # (messages, text) or (messages, text, tools): an agent's tool definitions
         messages, text, tools = (*demo, None)[:3]
-        out.append((encode_chat(tok, messages, tools=tools), tok(text, add_special_tokens=False)["input_ids"] + [end]))
+        prompt = encode_chat(tok, messages, tools=tools)
+        if isinstance(text, dict):  # an assistant message (content, tool_calls): the chat template writes its text
+            out.append((prompt, rendered_turn(tok, messages, text, tools, prompt, env.name)))
+        else:
+            out.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [end]))
+    return out
+
+
+def rendered_turn(tok, messages: list[dict[str, Any]], message: dict[str, Any], tools: list[dict[str, Any]] | None,
+                  prompt: list[int], env_name: str = "env") -> list[int]:
+    """The completion ids of assistant `message` (its content and `tool_calls`) as the model's chat template renders
+    it after `messages`, through its end-of-turn token: a demonstration of a tool call needs no hand-written
+    template text, and is right for whichever template (tiny ChatML, Qwen, ...) renders tool calls."""
+    extra = {"tools": list(tools)} if tools else {}
+    full = tok(tok.apply_chat_template([*messages, message], tokenize=False, **extra),
+               add_special_tokens=False)["input_ids"]
+    stops = set(stop_token_ids(tok))
+    ends = [i for i in range(len(prompt), len(full)) if full[i] in stops]
+    if full[:len(prompt)] != list(prompt) or not ends:
+        raise ValueError(f"env {env_name!r}: the chat template does not render the demonstrated assistant message as "
+                         "a continuation of its prompt ending in an end-of-turn token (a template that rewrites "
+                         "earlier turns, or renders no tool_calls); give the demonstration as text instead")
+    out = full[len(prompt):ends[0] + 1]
+    text = tok.decode(out)
+    missing = [c["function"]["name"] for c in message.get("tool_calls") or [] if c["function"]["name"] not in text]
+    if missing:
+        raise ValueError(f"env {env_name!r}: the chat template renders no tool call of {missing} in the demonstrated "
+                         "assistant message (this model's template does not write tool_calls); give the "
+                         "demonstration as the text the model should produce instead")
     return out
 
 
