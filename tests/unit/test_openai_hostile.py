@@ -101,7 +101,8 @@ def test_bodies_that_are_not_json_get_a_400(endpoint, data, headers):
 def test_a_body_over_the_size_cap_gets_a_json_413():
     engine = ScriptedEngine(TOK, lambda prompt, params: [END])
     with OpenAIEndpoint(engine, model="m") as ep:
-        status, reply = post(ep.base_url, b'{"messages": "' + b"x" * (65 << 20) + b'"}')
+        status, reply = post(ep.base_url, b'{"messages": "' + b"x" * (100 << 20) + b'"}')  # 100 MB
+        assert post(ep.base_url, {"messages": ASK})[0] == 200  # and the server is still up
     assert status == 413 and reply["error"]["message"]
 
 
@@ -201,3 +202,71 @@ def test_a_training_session_records_exactly_the_runs_top_k(run_k):
         calls = ep.close_session("episode")
     for call in calls:  # ... the trajectory records the run's width, whatever each call asked
         assert {len(row) for row in call.completions[0].topk_ids} <= {run_k}
+
+
+@pytest.mark.parametrize(("field", "value"), [("n", 10**9), ("n", 0), ("n", -1), ("max_tokens", 10**12),
+                                              ("max_tokens", 0), ("max_completion_tokens", -5), ("n", 2.5)])
+def test_absurd_n_and_max_tokens_get_a_400_naming_the_field(endpoint, field, value):
+    status, reply = post(endpoint.base_url, {"messages": ASK, field: value})
+    assert status == 400 and reply["error"]["param"] in (field, "max_tokens"), reply
+
+
+def test_a_huge_but_legal_max_tokens_is_fitted_to_the_context():
+    engine = ScriptedEngine(TOK, lambda prompt, params: TOK("x" * 500, add_special_tokens=False)["input_ids"],
+                            max_model_len=128)
+    with OpenAIEndpoint(engine, model="m") as ep:
+        status, reply = post(ep.base_url, {"messages": ASK, "max_tokens": 1 << 20})
+        [call] = ep.calls()
+    assert status == 200 and reply["choices"][0]["finish_reason"] == "length"
+    assert len(call.prompt_ids) + reply["usage"]["completion_tokens"] == 128
+
+
+def test_a_flood_of_500_requests_is_held_or_shed_and_no_session_mixes():
+    """bench/endpoint_load.py's check, small: 500 concurrent requests over 50 sessions (half streamed, ten clients
+    hanging up mid-stream), first with room for all, then with max_inflight 100."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.endpoint_load import main
+
+    roomy, capped = main(["--requests", "500", "--gen-ms", "50", "--caps", "1024,100"])
+    for row in (roomy, capped):
+        assert row["problems"] == [], row
+        assert set(row["statuses"]) <= {"200", "429", "hung_up"}, row["statuses"]
+    assert roomy["shed_429"] == 0 and roomy["held_at_once"] > 100 and roomy["recorded_calls"] == 500
+    assert capped["held_at_once"] == 100 and capped["shed_429"] == capped["statuses"].get("429", 0) > 0
+    assert capped["recorded_calls"] == 500 - capped["shed_429"]  # every request let in is recorded
+
+
+def test_a_client_that_hangs_up_mid_stream_loses_nothing_and_the_server_stays_up(monkeypatch):
+    import socket
+    import time
+
+    from astratk.rollout import openai_api
+
+    monkeypatch.setattr(openai_api, "KEEPALIVE_S", 0.05)
+
+    class Slow:
+        def __init__(self) -> None:
+            self.inner = ScriptedEngine(TOK, lambda prompt, params: TOK("ok", add_special_tokens=False)["input_ids"]
+                                        + [END])
+            self.tokenizer, self.max_model_len = TOK, None
+
+        async def generate(self, requests):
+            await asyncio.sleep(0.5)
+            return await self.inner.generate(requests)
+
+    with OpenAIEndpoint(Slow(), model="m") as ep:
+        body = json.dumps({"messages": ASK, "stream": True}).encode()
+        with socket.create_connection((ep.host, ep.port), timeout=10) as sock:
+            sock.sendall(b"POST /s/gone/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert b"200" in sock.recv(200)  # the stream began (keep-alive comments), then the client leaves
+        deadline = time.monotonic() + 10
+        while (not ep.calls("gone") or not ep.stats["stream_disconnects"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ep.stats["stream_disconnects"] == 1
+        [call] = ep.calls("gone")  # its sample was recorded all the same, in its own session
+        assert call.completions[0].finish_reason == "stop"
+        assert post(ep.base_url, {"messages": ASK})[0] == 200
