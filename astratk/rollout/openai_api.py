@@ -47,6 +47,18 @@ from astratk.rollout.openai_sessions import DEFAULT_SESSION, SessionCapture
 from astratk.rollout.openai_stream import chunks, sse
 
 KEEPALIVE_S = 5.0  # a stream whose sample is not ready sends an SSE comment this often
+# OpenAI routes agents may call that this endpoint does not serve: a 404 whose one line says what to use instead
+UNSERVED = {
+    "responses": "the Responses API (/v1/responses) is not served here, only Chat Completions "
+                 "(/v1/chat/completions): with the OpenAI Agents SDK use OpenAIChatCompletionsModel(model, "
+                 "openai_client) or set_default_openai_api('chat_completions'); with langchain-openai leave "
+                 "use_responses_api unset",
+    "completions": "the legacy Completions API (/v1/completions, a raw prompt string) is not served here: a training "
+                   "episode's prompts are rendered by the model's chat template; send chat messages to "
+                   "/v1/chat/completions",
+    "embeddings": "embeddings (/v1/embeddings) are not served here: this endpoint samples the policy being trained "
+                  "(/v1/chat/completions); embed with a model of your own",
+}
 
 
 class OpenAIEndpoint(SessionCapture):
@@ -145,6 +157,8 @@ class OpenAIEndpoint(SessionCapture):
         for prefix in ("/v1", "/s/{session}/v1"):
             app.router.add_get(f"{prefix}/models", self._models)
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
+            for route in UNSERVED:
+                app.router.add_route("*", f"{prefix}/{route}", self._unserved)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         # backlog: a burst of connections waits in the kernel's queue instead of being refused (default 128)
@@ -182,6 +196,11 @@ class OpenAIEndpoint(SessionCapture):
             return self._error(RequestError(401, "invalid API key", code="invalid_api_key"))
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "astratk"}]})
+
+    async def _unserved(self, request: Any) -> Any:
+        route = request.path.rsplit("/v1/", 1)[1]
+        self.stats["unserved"] += 1
+        return self._error(RequestError(404, UNSERVED[route], code="unsupported_route"))
 
     async def _chat(self, request: Any) -> Any:
         self.stats["requests"] += 1

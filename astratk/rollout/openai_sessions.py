@@ -95,7 +95,8 @@ class SessionCapture:
         self._lock = threading.Lock()
         self._turns_api: dict[int, tuple[Any, Any]] = {}
         self.stats = {"requests": 0, "errors": 0, "completion_tokens": 0, "prompt_tokens": 0, "reused_turns": 0,
-                      "rendered_prompts": 0, "streamed": 0, "stream_disconnects": 0, "shed": 0, "max_inflight_seen": 0}
+                      "rendered_prompts": 0, "streamed": 0, "stream_disconnects": 0, "shed": 0, "max_inflight_seen": 0,
+                      "unserved": 0}
 
     # --------------------------------------------------------------------------------------------- sessions
     def register_session(self, session: str, engine: Any = None, *, loop: asyncio.AbstractEventLoop | None = None,

@@ -270,3 +270,17 @@ def test_a_client_that_hangs_up_mid_stream_loses_nothing_and_the_server_stays_up
         [call] = ep.calls("gone")  # its sample was recorded all the same, in its own session
         assert call.completions[0].finish_reason == "stop"
         assert post(ep.base_url, {"messages": ASK})[0] == 200
+
+
+@pytest.mark.parametrize(("route", "says"), [("responses", "set_default_openai_api('chat_completions')"),
+                                             ("completions", "legacy Completions API"),
+                                             ("embeddings", "not served here")])
+def test_routes_it_does_not_serve_say_what_to_use_in_one_line(endpoint, route, says):
+    for base in (endpoint.base_url, endpoint.session_url("x")):
+        request = urllib.request.Request(f"{base}/{route}", data=b'{"model": "m", "input": "hi"}',
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(e.value.read())["error"]
+        assert e.value.code == 404 and says in error["message"] and "\n" not in error["message"]
+        assert error["code"] == "unsupported_route"
