@@ -21,7 +21,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,10 +69,19 @@ def _tls_flags(certs: dict[str, Path]) -> list[str]:
     return ["--tls-ca-file", str(certs["ca"]), "--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"])]
 
 
+# docs/cluster.md's recipe: Dask's HTTP server of each process (/health, /metrics, /json, /info pages, /sitemap.json:
+# they answer anyone, certificate or not) is stopped as the process starts (the preload), has no routes before that,
+# and is bound to localhost on a free port
+NO_HTTP = ["--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--preload", "astratk.runtime.no_http"]
+NO_HTTP_ROUTES = {"DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES": "[]", "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES": "[]"}
+UNAUTHENTICATED = ("/json/identity.json", "/info/main/workers.html", "/health", "/metrics", "/sitemap.json",
+                   "/statics/css/base.css", "/")
+
+
 def _popen(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Output to a log file (a pipe nobody reads would block the process); Dask's scratch space beside it; a session
     of its own, so the cleanup can kill the nanny's worker process too."""
-    scratch = {"DASK_TEMPORARY_DIRECTORY": str(log.parent / "dask-scratch")}
+    scratch = {"DASK_TEMPORARY_DIRECTORY": str(log.parent / "dask-scratch"), **NO_HTTP_ROUTES}
     with log.open("wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **scratch, **(env or {})},
                                 start_new_session=True)
@@ -79,7 +91,7 @@ def start_scheduler(tmp_path: Path, certs: dict[str, Path], procs: list[subproce
     """`dask scheduler --protocol tls` on a free port; returns the address from its scheduler file."""
     file = tmp_path / "scheduler.json"
     procs.append(_popen([DASK, "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", "0",
-                         "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(file),
+                         *NO_HTTP, "--scheduler-file", str(file),
                          *_tls_flags(certs)],
                         tmp_path / "scheduler.log"))
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -97,9 +109,34 @@ def start_worker(address: str, name: str, resources: str, env: dict[str, str], c
                  tmp_path: Path) -> subprocess.Popen:
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     return _popen([DASK, "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
-                   "--no-dashboard", "--dashboard-address", "127.0.0.1:0", "--resources", resources,
+                   *NO_HTTP, "--resources", resources,
                    *_tls_flags(certs)],
                   tmp_path / f"worker-{name}.log", {**threads, **env})
+
+
+def http_served(procs: list[subprocess.Popen]) -> dict[str, Any]:
+    """Every TCP port the scheduler and workers (nannies and their worker processes) listen on, asked over plain
+    HTTP, without a certificate, for Dask's routes: what answered anything but 404 (a TLS comm port does not speak
+    HTTP: its connection fails, which counts as nothing served)."""
+    import psutil
+
+    ports = set()
+    for p in procs:
+        parent = psutil.Process(p.pid)
+        for proc in [parent, *parent.children(recursive=True)]:
+            ports |= {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    answered = {}
+    for port in sorted(ports):
+        for path in UNAUTHENTICATED:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                    answered[f"{port}{path}"] = r.status
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    answered[f"{port}{path}"] = e.code
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass  # not HTTP (a TLS comm port)
+    return {"ports": len(ports), "answered": answered}
 
 
 def stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -197,6 +234,10 @@ def test_tls_cluster_of_dask_cli_processes_trains_and_refuses_plain_clients(tmp_
         workers = clients["workers"]
         assert sorted(workers) == sorted(name for name, _, _ in WORKERS)
         assert all(a.startswith("tls://127.0.0.1:") for a in workers.values()), workers  # workers listen on TLS too
+        served = http_served(procs)
+        assert not served["answered"], served  # every port asked, nothing served
+        # and no HTTP port at all: the scheduler's comm port, and each worker's nanny and worker comm ports
+        assert served["ports"] == 1 + 2 * len(WORKERS), served
 
         # the run, attached with cluster.tls
         spec = small_spec(tmp_path, max_steps=STEPS)
