@@ -72,7 +72,8 @@ HOSTILE = {
     "top_logprobs without logprobs": {"messages": ASK, "top_logprobs": 3},
     "top_logprobs out of range": {"messages": ASK, "logprobs": True, "top_logprobs": 99},
     "tools not a list": {"messages": ASK, "tools": {"a": 1}},
-    "streaming": {"messages": ASK, "stream": True},
+    "stream not a boolean": {"messages": ASK, "stream": "yes"},
+    "stream_options without stream": {"messages": ASK, "stream_options": {"include_usage": True}},
 }
 
 
