@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, cap: int) -> dict[str, Any]:
     engine = make_engine(args)
     with OpenAIEndpoint(engine, model="m", default_max_tokens=16, max_inflight=cap) as ep:
         results, wall = asyncio.run(flood(ep.root, args.requests, args.sessions, args.hang_ups))
-        time.sleep(args.gen_ms / 1000 + 0.5)  # the hung-up requests' samples finish and are recorded
+        time.sleep(args.gen_ms / 1000 + 1.0)  # the hung-up requests' samples finish and are recorded
         problems = check(ep, results, args.sessions)
         stats = dict(ep.stats)
     close = getattr(engine, "close", None)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         row = run(args, cap)
         rows.append(row)
         print(f"max_inflight {cap}: {args.requests} requests in {row['wall_s']} s over {args.sessions} sessions "
-              f"({args.engine}, {args.gen_ms:g} ms per generate): held at once {row['held_at_once']}, shed (429) "
+              f"({'tiny model, TorchEngine' if args.engine == 'tiny' else f'scripted, {args.gen_ms:g} ms per generate'}): held at once {row['held_at_once']}, shed (429) "
               f"{row['shed_429']}, statuses {row['statuses']}, latency p50 {row['p50_s']} s p99 {row['p99_s']} s "
               f"max {row['max_s']} s, {row['answered_per_s']} answered/s; recorded calls {row['recorded_calls']}, "
               f"stream hang-ups seen {row['stream_disconnects']}; problems: {row['problems'] or 'none'}")
