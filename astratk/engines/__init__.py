@@ -31,14 +31,10 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from astratk._lazy import lazy_names
+from astratk.engines.scripted import ScriptedEngine
+from astratk.engines.torch_engine import TorchEngine
+from astratk.engines.vllm_engine import VLLMEngine
 from astratk.registry import resolve
-
-# the engine classes load on first use: importing a submodule of this package (a Dask worker unpickling a task that
-# names one) must not import transformers and torch's model code (seconds per worker process)
-__getattr__ = lazy_names("astratk.engines", {"ScriptedEngine": "astratk.engines.scripted",
-                                             "TorchEngine": "astratk.engines.torch_engine",
-                                             "VLLMEngine": "astratk.engines.vllm_engine"})
 
 __all__ = ["ScriptedEngine", "TorchEngine", "VLLMEngine", "build_engine"]
 
