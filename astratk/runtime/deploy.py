@@ -140,4 +140,17 @@ def publish_initial(store: WeightStore, policy_id: str, model_path: str, lora: L
 
     model = load_causal_lm(model_path)
     store.set_adapter_config(policy_id, None)  # full models from here on, whatever the store held before
-    store.publish(policy_id, 0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    store.publish(policy_id, 0, unshared(model.state_dict()))
+
+
+def unshared(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with a tensor that shares storage with an earlier one (tied embedding and head) copied, as safetensors
+    needs; the others are passed as they are (copying every tensor of a 135M-parameter model took 2 s here)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        t = t.detach()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out

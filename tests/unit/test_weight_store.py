@@ -408,3 +408,23 @@ def test_service_sync_moves_a_torch_engine_through_deltas_bit_for_bit(tiny_model
     assert_bit_equal({k: t.detach() for k, t in service.engine("main", "eval")._params.items()},
                      {k: t.to(getattr(torch, engine_dtype)) for k, t in store.pull("main", None, 1)[0].items()})
     assert engine.version == 5
+
+
+def test_version_0_of_a_model_with_tied_weights_is_its_state_copied_only_where_shared():
+    """`publish_initial`'s state: a tensor sharing storage with an earlier one (a tied head) is copied, as safetensors
+    needs; the rest go as they are; the published version 0 equals the model's weights bit for bit."""
+    import torch
+
+    from astratk.runtime.deploy import unshared
+
+    embed = torch.randn(8, 4)
+    state = {"embed.weight": embed, "layer.weight": torch.randn(4, 4), "head.weight": embed}  # tied
+    out = unshared(state)
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+
+    assert ptr(out["embed.weight"]) == ptr(embed) and ptr(out["layer.weight"]) == ptr(state["layer.weight"])  # no copy
+    assert ptr(out["head.weight"]) != ptr(embed) and torch.equal(out["head.weight"], embed)
+    store = WeightStore("memory://ws-tied")
+    store.publish("main", 0, out)  # safetensors refuses shared storage: it must not be left here
+    assert_bit_equal(store.pull("main", None)[0], state)
