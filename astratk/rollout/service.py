@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
+import gc
 import hashlib
 import logging
 import os
@@ -44,15 +46,46 @@ log = logging.getLogger(__name__)
 
 _SERVICES: dict[str, RolloutService] = {}
 _SERVICES_LOCK = threading.Lock()
+_ENDED: dict[str, None] = {}  # runs whose services were released here, oldest first (a bounded record)
+_ENDED_KEEP = 1000
 
 
 def get_service(ctx: RunContext) -> RolloutService:
-    """The process-wide service for this run, created on first use."""
+    """The process-wide service for this run, created on first use; refused once the run has ended here (a task
+    that was still running when its run stopped must not build the engines again)."""
     with _SERVICES_LOCK:
+        if ctx.run_id in _ENDED:
+            raise RuntimeError(f"run {ctx.run_id} has ended: its rollout service on this worker was released")
         service = _SERVICES.get(ctx.run_id)
         if service is None:
             service = _SERVICES[ctx.run_id] = RolloutService(ctx)
         return service
+
+
+def release_service(run_id: str) -> bool:
+    """Close this process's service of a run that ended (its engines: model weights, KV caches, vLLM) and refuse it
+    from now on. A worker outlives runs (a long-lived `dask worker`, a local cluster kept warm for the next run):
+    without this each run's engines would stay in its memory. True when there was one."""
+    with _SERVICES_LOCK:
+        service = _SERVICES.pop(run_id, None)
+        _ENDED[run_id] = None
+        while len(_ENDED) > _ENDED_KEEP:
+            del _ENDED[next(iter(_ENDED))]
+    if service is None:
+        return False
+    service.close()
+    del service
+    gc.collect()  # engines hold reference cycles (models, batcher threads' closures)
+    _trim_heap()
+    return True
+
+
+def _trim_heap() -> None:
+    """Hand the freed model memory back to the OS (glibc keeps freed blocks for reuse otherwise); no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _quiet_transformers() -> None:
@@ -108,6 +141,21 @@ class RolloutService:
                 self._engines[key] = build_engine(r.engine, self.ctx.model_paths[policy_id],
                                                   run_settings=self._engine_settings(purpose), **r.engine_args)
             return self._engines[key]
+
+    def close(self) -> None:
+        """Close every engine this service built (adapter views, then the engines they share), each once."""
+        with self._engines_lock:
+            engines = [*self._engines.values(), *self._bases.values()]
+            self._engines.clear()
+            self._bases.clear()
+        seen: set[int] = set()
+        for engine in engines:
+            if id(engine) not in seen and hasattr(engine, "close"):
+                seen.add(id(engine))
+                try:
+                    engine.close()
+                except Exception as e:  # noqa: BLE001 - the others are still closed; the run is over
+                    log.warning("closing an engine of run %s: %s", self.ctx.run_id, e)
 
     def _engine_settings(self, purpose: str) -> dict[str, Any]:
         """Run-wide engine settings (`build_engine` passes each to engines that take it): rollout engines switch

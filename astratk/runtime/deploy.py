@@ -53,6 +53,7 @@ class Deployment:
             pass
         if self.client is None:
             return
+        release_services(self.client, self.ctx.run_id)
         try:
             if published is not None:
                 self.client.unpublish_dataset(published)
@@ -60,6 +61,18 @@ class Deployment:
                 registry.unpublish(self.client, self.name)
         except Exception:  # noqa: BLE001, S110 - the scheduler may already be gone at teardown
             pass
+
+
+def release_services(client: Any, run_id: str, timeout_s: float = 30.0) -> None:
+    """Every worker closes its rollout service of run `run_id` (its engines and their memory): workers outlive runs
+    on a long-lived cluster, or a local one kept warm for the next run. A worker that does not answer within
+    `timeout_s` keeps its service until it exits; the run is over either way."""
+    from astratk.rollout.service import release_service
+
+    try:
+        client.run(release_service, run_id, on_error="ignore", callback_timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - teardown goes on; a worker that cannot be reached frees nothing
+        log.warning("releasing run %s's rollout services: %s", run_id, e)
 
 
 def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_url: str | None = None,

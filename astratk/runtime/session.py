@@ -31,6 +31,7 @@ import torch
 
 from astratk.models import ensure_model
 from astratk.records import Drop, RunContext
+from astratk.runtime import warm
 from astratk.runtime.cluster import connect, start_local_cluster
 from astratk.runtime.drive import Drive
 from astratk.runtime.live_metrics import LiveMetrics
@@ -77,6 +78,10 @@ class Session(Drive, WrapUp, LiveMetrics):
         self.state = "starting"  # starting | training | paused | finished | failed
         self._name = deployment_name
         self._closers: list[Callable[[], Any]] = []  # run on exit, the last registered first
+        self._exc: BaseException | None = None  # what ended the run's `with` block, if anything did
+        self.cluster_reused = False  # the local cluster was kept warm by an earlier run (astratk.runtime.warm)
+        self._cluster_clean = False  # whether the local cluster may serve the next run (set at exit)
+        self._warm_key: str | None = None  # the local cluster's layout when it may be kept (astratk.runtime.warm)
 
     def _first_version(self) -> int:
         """The version training starts from: 0, or the resume point's step (a version per step)."""
@@ -86,9 +91,9 @@ class Session(Drive, WrapUp, LiveMetrics):
     def __enter__(self) -> Session:  # noqa: PYI034 - typing.Self needs Python 3.11
         try:
             return self._set_up()
-        except BaseException:
+        except BaseException as e:
             # `with` runs no __exit__ when __enter__ raises: close what set-up started (a cluster, a deployment)
-            self.__exit__(None, None, None)
+            self.__exit__(type(e), e, e.__traceback__)
             raise
 
     def _set_up(self) -> Session:
@@ -108,12 +113,14 @@ class Session(Drive, WrapUp, LiveMetrics):
         self._deploy(ctx)
         workers = len(self.client.scheduler_info()["workers"])
         dashboard = self.client.dashboard_link if self.spec.cluster.dashboard else "off"
-        self.print(f"cluster up with {workers} workers ({time.perf_counter() - t:.0f}s); "
+        kept = ", kept warm by the previous run" if self.cluster_reused else ""
+        self.print(f"cluster up with {workers} workers ({time.perf_counter() - t:.0f}s{kept}); "
                    f"dashboard: {dashboard}")
         self._start_evaluator(ctx)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._exc = exc[1] if exc else None
         for close in self._closers:
             try:
                 close()
@@ -175,8 +182,14 @@ class Session(Drive, WrapUp, LiveMetrics):
         else:
             from distributed import Client
 
-            self.cluster = cluster = start_local_cluster(spec, processes=spec.cluster.processes)
-            self._on_exit(cluster.close)
+            self._warm_key = key = warm.layout_key(spec)
+            cluster = warm.take(key)
+            self.cluster_reused = cluster is not None
+            if cluster is None:
+                cluster = start_local_cluster(spec, processes=spec.cluster.processes)
+            self.cluster = cluster
+            planned = set(cluster.worker_spec)
+            self._on_exit(lambda: self._give_back_cluster(key, planned))
             # Not the process's default client: several runs may share a process (a notebook), and a default
             # client changes Dask's process-wide scheduler setting, which closing it restores to a stale value
             self.client = Client(cluster, set_as_default=False)
@@ -187,6 +200,29 @@ class Session(Drive, WrapUp, LiveMetrics):
                 adaptive = cluster.adapt(Adaptive=WaitFractionAdaptive, monitor=self.autoscale)
                 self._on_exit(adaptive.stop)
         self._on_exit(self.client.close)
+        if self._warm_key is not None and spec.cluster.keep_warm_s > 0:
+            self._on_exit(self._check_workers_clean)  # before the client closes: asks the workers
+
+    def _check_workers_clean(self) -> None:
+        """Whether the local cluster may serve the next run: this run ended without an error and no worker has a
+        thread of user code it had to abandon (`astratk.rollout.bounded`) still around."""
+        from astratk.rollout.bounded import abandoned_threads
+
+        if self._exc is not None or self.state == "failed":
+            self._cluster_clean = False
+            return
+        try:
+            counts = self.client.run(abandoned_threads, wait=True)
+            self._cluster_clean = not any(counts.values())
+        except Exception:  # noqa: BLE001 - a cluster that cannot answer is not kept
+            self._cluster_clean = False
+
+    def _give_back_cluster(self, key: str | None, planned: set[str]) -> None:
+        """Close the local cluster, or keep it warm for the next run in this process (`astratk.runtime.warm`)."""
+        outcome = warm.give_back(self.cluster, key, self.spec.cluster.keep_warm_s, planned,
+                                 reusable=self._cluster_clean)
+        if outcome != "closed" and not self.cluster_reused:
+            self.print(f"local cluster {outcome}")
 
     def _deploy(self, ctx: Any) -> None:
         """The data layer (restored from the resume point's snapshot when resuming) and the

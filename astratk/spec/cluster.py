@@ -134,6 +134,10 @@ class ClusterSpec(Section):
     """serve Dask's dashboard (local clusters)"""
     startup_timeout_s: float = 120.0
     """longest wait for the cluster's workers to start (the error then names the missing ones)"""
+    keep_warm_s: float = 300.0
+    """after a run, its local cluster (worker processes, no autoscale) stays up this long for the next run in the same
+    process with the same workers, which then starts in about a second instead of four or more (a notebook rerunning a
+    cell, a sweep); 0: close it at the run's end (`astratk.runtime.warm`)"""
     tls: TLSSpec | None = None
     """TLS to an existing `tls://` scheduler; None: Dask's own config (DASK_DISTRIBUTED__COMM__TLS__*), if any"""
     rollout_gpus: str | list[int] | None = None
@@ -146,6 +150,10 @@ class ClusterSpec(Section):
         `astratk.spec.rules`."""
         positive(key, rollout_workers=self.rollout_workers,
                   threads_per_worker=self.threads_per_worker, startup_timeout_s=self.startup_timeout_s)
+        k = self.keep_warm_s
+        if isinstance(k, bool) or not isinstance(k, int | float) or not k >= 0 or k == float("inf"):
+            raise ValueError(f"{key}.keep_warm_s must be a number of seconds >= 0 (0: close the local cluster at the "
+                             f"run's end), got {k!r}")
         t = self.torch_threads
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{key}.torch_threads must be auto or an integer >= 1, got {t!r}")

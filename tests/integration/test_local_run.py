@@ -129,3 +129,34 @@ def test_inflight_is_refused_in_the_synchronous_mode(tmp_path):
     spec.dataflow.synchronous, spec.rollout.weight_updates = True, "inflight"
     with pytest.raises(ValueError, match="synchronous trains step k on version k"):
         spec.validate()
+
+
+def test_the_next_run_starts_on_the_cluster_the_last_one_kept_warm(tmp_path):
+    """`cluster.keep_warm_s`: a run's local cluster serves the next run in the process with the same workers; the
+    run's rollout services are released from the workers (their engines' memory) at its end; with 0 it is closed."""
+    import dataclasses
+
+    from astratk.rollout import service as svc
+    from astratk.runtime import warm
+
+    warm.close_kept()
+    first: list[str] = []
+    Run(small_spec(tmp_path, max_steps=2), printer=first.append).start()
+    [(cluster, _, _)] = warm._kept.values()
+    second: list[str] = []
+    spec = small_spec(tmp_path, max_steps=2)
+    spec.cluster = dataclasses.replace(spec.cluster, keep_warm_s=0)
+    result = Run(spec, printer=second.append).start()
+    assert result.summary["steps"] == 2
+    assert any("local cluster kept for the next run" in line for line in first), first
+    assert any("kept warm by the previous run" in line for line in second), second
+    assert not any("kept warm by the previous run" in line for line in first)
+    assert warm._kept == {} and cluster.status.name == "closed"  # keep_warm_s: 0 closed it at the end
+    # the same, on a cluster kept alive: no service of an ended run stays in a worker
+    Run(small_spec(tmp_path, max_steps=2), printer=lambda s: None).start()
+    [(cluster, _, _)] = warm._kept.values()
+    from distributed import Client
+
+    with Client(cluster, set_as_default=False) as client:
+        assert set(client.run(lambda: len(svc._SERVICES)).values()) == {0}
+    assert warm.close_kept() == 1

@@ -192,6 +192,9 @@ def test_engine_core_runs_in_this_process(engine):
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
     assert isinstance(engine._engine.engine_core, InprocClient)
     assert isinstance(engine._engine.model_executor, UniProcExecutor)
+    from astratk.runtime.warm import close_kept
+
+    close_kept()  # a local cluster an earlier test's run kept warm has worker processes of this one
     assert multiprocessing.active_children() == []
     with pytest.raises(RuntimeError, match="not in this process"):
         _vllm_compat.check_in_process(SimpleNamespace(engine_core=object(), model_executor=object()))
