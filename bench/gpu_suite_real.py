@@ -106,7 +106,8 @@ def real_trainer_step(ctx: Context) -> dict[str, Any]:
     steps = s.warmup_steps + s.timed_steps
     out: dict[str, Any] = {"sequences": s.train_rows, "tokens_per_sequence": s.train_tokens}
     for name, lora in (("full", None), ("lora", LoraSpec(r=16, alpha=32.0))):
-        ts = TrainerSpec(max_steps=steps, micro_batch_tokens=s.micro_batch_tokens, loggers=[])
+        ts = TrainerSpec(max_steps=steps, micro_batch_tokens=s.micro_batch_tokens, loggers=[],
+                         checkpoint_every=0)  # no checkpoint: 1.6 GB into the working directory for SmolLM2
         spec = RunSpec(policies=[PolicySpec(model=ModelSpec(path=path, lora=lora), trainer=ts)], progress=False)
         module = PolicyModule(path, **build.module_args(spec, "main"))
         batch = synthetic_batch(s.train_rows, s.train_tokens, module.model.config.vocab_size)

@@ -223,7 +223,8 @@ def trainer_step(ctx: Context) -> dict[str, Any]:
 
     s, path = ctx.sizes, ctx.random_model()
     steps = s.warmup_steps + s.timed_steps
-    ts = TrainerSpec(max_steps=steps, micro_batch_tokens=s.micro_batch_tokens, loggers=[])  # precision: auto
+    # precision: auto; no checkpoint (Lightning would write the model and Adam's state into the working directory)
+    ts = TrainerSpec(max_steps=steps, micro_batch_tokens=s.micro_batch_tokens, loggers=[], checkpoint_every=0)
     spec = RunSpec(policies=[PolicySpec(trainer=ts)], progress=False)
     module = PolicyModule(path, **build.module_args(spec, "main"))
     config = module.model.config

@@ -49,5 +49,7 @@ def test_the_smoke_run_reports_every_row(tmp_path):
     assert rows["e2e_async"]["figures"]["steps"] == rows["e2e_sync"]["figures"]["steps"] == 2
     assert rows["real_engine"]["figures"]["engine_tokens_per_s"] > 0 and rows["real_e2e"]["figures"]["steps"] == 2
     assert rows["real_trainer_step"]["figures"]["lora_step_s"] > 0
+    # the step rows time Lightning steps without writing checkpoints (1.6 GB for SmolLM2 into the working directory)
+    assert not (tmp_path / "checkpoints").exists()
     table = out.with_suffix(".md").read_text()
     assert "CPU smoke" in table and all(f"| {TITLES[r]} |" in table for r in ROW_IDS)

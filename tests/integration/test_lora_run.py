@@ -75,7 +75,7 @@ def test_lora_run_publishes_adapters_and_exports_them(tmp_path):
                                    atol=1e-4)
 
 
-def test_two_lora_policies_share_one_base_in_the_rollout_service(tmp_path):
+def test_two_lora_policies_share_one_base_in_the_rollout_service(tmp_path, monkeypatch):
     from astratk.rollout import service as services
 
     env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
@@ -88,22 +88,31 @@ def test_two_lora_policies_share_one_base_in_the_rollout_service(tmp_path):
         dataflow=DataflowSpec(max_staleness=8, filter_zero_variance=False),
         cluster=ClusterSpec(rollout_workers=1, startup_timeout_s=120, processes=False),
         eval=EvalSpec(interval_s=1000, max_tasks=8, timeout_s=120))
+    # The run releases its rollout service at its end (closing its engines): look at it as it is released.
+    seen: list[dict] = []
+    close = services.RolloutService.close
+
+    def look_then_close(service):
+        views = dict(service._engines)
+        seen.append({"views": views, "bases": list(service._bases.values()),
+                     "engine_ids": {id(v.engine) for v in views.values()},
+                     "adapters": sorted(next(iter(service._bases.values())).adapters) if service._bases else [],
+                     "versions": {key: v.version for key, v in views.items()}})
+        close(service)
+
+    monkeypatch.setattr(services.RolloutService, "close", look_then_close)
     before = set(services._SERVICES)
     result = Run(spec, printer=lambda s: None).start()
     assert result.summary["solver_final_version"] == 2 and result.summary["verifier_final_version"] == 2
-    [service] = [s for k, s in services._SERVICES.items() if k not in before]  # this process's rollout service
-    try:
-        views = {key: view for key, view in service._engines.items()}
-        assert {pid for _, pid in views} == {"solver", "verifier"}
-        assert len(service._bases) == 1 and len({id(v.engine) for v in views.values()}) == 1  # one base model
-        engine = next(iter(service._bases.values()))
-        assert sorted(engine.adapters) == sorted(f"{purpose}/{pid}" for purpose, pid in views)
-        # the final evaluation moved both eval adapters to the last published versions (the rollout adapters stop
-        # wherever the last rollout task found them)
-        assert views[("eval", "solver")].version == 2 and views[("eval", "verifier")].version == 2
-    finally:
-        for engine in service._bases.values():
-            engine.close()
+    assert set(services._SERVICES) == before  # released, its engines closed
+    [released] = seen  # this process's one rollout service
+    views = released["views"]
+    assert {pid for _, pid in views} == {"solver", "verifier"}
+    assert len(released["bases"]) == 1 and len(released["engine_ids"]) == 1  # one base model
+    assert released["adapters"] == sorted(f"{purpose}/{pid}" for purpose, pid in views)
+    # the final evaluation moved both eval adapters to the last published versions (the rollout adapters stop
+    # wherever the last rollout task found them)
+    assert released["versions"][("eval", "solver")] == 2 and released["versions"][("eval", "verifier")] == 2
 
 
 def test_lora_run_resumes_from_an_adapter_checkpoint_exactly(tmp_path):
