@@ -193,6 +193,10 @@ class Session(Drive, WrapUp, LiveMetrics):
             # Not the process's default client: several runs may share a process (a notebook), and a default
             # client changes Dask's process-wide scheduler setting, which closing it restores to a stale value
             self.client = Client(cluster, set_as_default=False)
+            if self.cluster_reused:
+                from astratk.cpu import run_threads
+
+                warm.rethread(self.client, cluster, run_threads(spec).rollout)
             if spec.cluster.autoscale is not None:
                 from astratk.runtime.autoscale import WaitFractionAdaptive, WaitFractionMonitor
 

@@ -11,8 +11,9 @@ What is kept, and when it is reused:
 - Only a local cluster of worker processes without autoscaling (`keep_warm_s: 0` turns it off). A cluster you
   started yourself (`cluster.scheduler_address`) is yours to keep or close.
 - The next run takes it when its workers would be the same (`layout_key`: worker classes and counts, resource
-  labels from the policy ids, threads per worker and torch threads, GPUs, dashboard) and every worker the cluster
-  planned is up. Otherwise it starts its own, as before.
+  labels from the policy ids, threads per worker, GPUs, dashboard) and every worker the cluster planned is up.
+  Otherwise it starts its own, as before. The torch thread count may differ (a synchronous run gives each rollout
+  worker more threads than an asynchronous one): `rethread` sets the new run's in the kept workers.
 - A cluster is not kept when its pool was resized during the run, a worker is missing, or user code overran its time
   bound there (an abandoned thread may still be running in that worker: `astratk.rollout.bounded`).
 - Code you edit: workers keep the modules they imported. A kept cluster is not reused once a source file of a module
@@ -47,8 +48,6 @@ def layout_key(spec: RunSpec) -> str | None:
     """What a run's local cluster looks like from inside its workers, as a string; None when its cluster is neither
     kept nor taken from a previous run (threads mode, autoscaling). A run with `cluster.keep_warm_s: 0` still takes
     one: that setting says what happens at its end."""
-    from astratk.cpu import run_threads
-
     c = spec.cluster
     if not c.processes or c.autoscale is not None or c.scheduler_address:
         return None
@@ -56,7 +55,33 @@ def layout_key(spec: RunSpec) -> str | None:
 
     pre_spawn = dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {}
     return repr((sorted(p.policy_id for p in spec.policies), c.rollout_workers, c.pools, c.threads_per_worker,
-                 run_threads(spec).rollout, c.rollout_gpus, c.dashboard, sorted(pre_spawn.items())))
+                 c.rollout_gpus, c.dashboard, sorted(pre_spawn.items())))
+
+
+def rethread(client: Any, cluster: Any, threads: int) -> None:
+    """Give a kept cluster's workers this run's thread count (`astratk.cpu.run_threads`), as a fresh cluster would
+    have started them with: the thread variables in each worker's environment (read by what starts later: vLLM's CPU
+    backend reads OMP_NUM_THREADS), torch's intra-op threads, each nanny's environment for a worker it restarts, and
+    the cluster's for a worker it adds."""
+    from astratk.runtime.pools import THREAD_ENV
+
+    env = {k: str(threads) for k in THREAD_ENV}
+    client.run(_worker_threads, env, threads)
+    client.run(_nanny_threads, env, nanny=True)
+    pre_spawn = getattr(cluster, "_pre_spawn", None)
+    if pre_spawn is not None:
+        pre_spawn.update(env)
+
+
+def _worker_threads(env: dict[str, str], threads: int) -> None:
+    os.environ.update(env)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _nanny_threads(env: dict[str, str], dask_worker: Any) -> None:
+    dask_worker.pre_spawn_env.update(env)
+    dask_worker.env.update(env)
 
 
 def take(key: str | None) -> Any | None:

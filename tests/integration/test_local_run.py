@@ -159,4 +159,21 @@ def test_the_next_run_starts_on_the_cluster_the_last_one_kept_warm(tmp_path):
 
     with Client(cluster, set_as_default=False) as client:
         assert set(client.run(lambda: len(svc._SERVICES)).values()) == {0}
+        # a run with another torch thread count takes it too, and its workers get its count, as fresh ones would
+        spec = small_spec(tmp_path, max_steps=2)
+        spec.cluster = dataclasses.replace(spec.cluster, torch_threads=2)
+        third: list[str] = []
+        Run(spec, printer=third.append).start()
+        assert any("kept warm by the previous run" in line for line in third), third
+        assert next(iter(warm._kept.values()))[0] is cluster
+
+        def threads():
+            import os
+
+            import torch
+
+            return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+        assert set(client.run(threads).values()) == {(2, "2")}
+        assert set(client.run(lambda dask_worker: dask_worker.env["OMP_NUM_THREADS"], nanny=True).values()) == {"2"}
     assert warm.close_kept() == 1

@@ -52,6 +52,7 @@ def test_the_layout_decides_and_some_clusters_are_never_kept():
     two = dataclasses.replace(spec(), policies=[PolicySpec(policy_id="solver"), PolicySpec(policy_id="verifier")])
     assert warm.layout_key(two) != base  # the workers' resource labels name the policies
     assert warm.layout_key(spec(keep_warm_s=0)) == base  # it may take a kept one; it keeps none at its end
+    assert warm.layout_key(spec(torch_threads=2)) == base  # set in the kept workers when taken (warm.rethread)
     for never in (spec(processes=False), spec(autoscale=AutoscaleSpec()),
                   spec(scheduler_address="tcp://127.0.0.1:8786")):
         assert warm.layout_key(never) is None
@@ -143,3 +144,37 @@ def tiny_ctx(tmp_path):
 
     return RunContext(run_id=uuid.uuid4().hex[:12], spec=RunSpec(), model_paths={"main": str(tmp_path)},
                       store_url=str(tmp_path / "weights"))
+
+
+def test_a_taken_cluster_gets_the_new_runs_thread_count(monkeypatch):
+    """`rethread`: what a fresh cluster's nannies would have given the workers (the thread variables, read by what
+    starts later, and torch's threads), the nannies' environment for a restart, the cluster's for a new worker."""
+    import torch
+
+    calls = []
+    nanny = SimpleNamespace(pre_spawn_env={"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "6640"},
+                            env={"OMP_NUM_THREADS": "1"})
+
+    class Client:
+        def run(self, fn, *args, **kw):
+            calls.append(fn.__name__)
+            if kw.get("nanny"):
+                fn(*args, dask_worker=nanny)
+            else:
+                fn(*args)
+
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.setenv(k, "1")
+    cluster = SimpleNamespace(_pre_spawn={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    before = torch.get_num_threads()
+    try:
+        warm.rethread(Client(), cluster, 3)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert all(os.environ[k] == "3" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"))
+    assert nanny.pre_spawn_env == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "3",
+                                   "PYTHONHASHSEED": "6640"}
+    assert nanny.env["OMP_NUM_THREADS"] == "3"
+    assert cluster._pre_spawn["OMP_NUM_THREADS"] == cluster._pre_spawn["OPENBLAS_NUM_THREADS"] == "3"
+    assert len(calls) == 2
