@@ -165,16 +165,6 @@ class EnvNanny(Nanny):
     could inherit them is the spawn itself. A spawn reads the environment in a thread, so one start's restore waits
     for every other start still spawning. Nanny restarts of a killed worker go through here too."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Dask's Nanny keeps a shallow merge of the config it was created under: its nested sections are the live
-        # global ones, so a setting made around its creation (no sampling profiler without a dashboard) was gone
-        # by the time it restarted a killed worker. Its own copy keeps it.
-        try:
-            self.config = copy.deepcopy(self.config)
-        except Exception as e:  # noqa: BLE001 - a config holding something that cannot be copied: Dask's own behaviour
-            logging.getLogger(__name__).debug("nanny config kept shared (not copyable): %s", e)
-
     async def instantiate(self) -> Any:
         _env_enter(list(self.pre_spawn_env))
         left = False
@@ -266,9 +256,6 @@ class PoolCluster(SpecCluster):
         self.worker_class = {name: CONTROL if name == CONTROL else name.rsplit("-", 1)[0] for name in workers}
         self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
         self._pre_spawn = pre_spawn_environ
-        # Dask's sampling profiler (every 10 ms in each worker) only feeds the dashboard's profile pages: off without
-        # one (an idle worker used ~7% of a core with it, ~5% without; measured here)
-        self._worker_config = {} if dashboard else {"distributed.worker.profile.enabled": False}
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
         self.gpus = gpus or {}
         # dashboard off means off: Dask's Scheduler(dashboard=False) still serves its HTTP routes, on 8787 when no
@@ -282,12 +269,10 @@ class PoolCluster(SpecCluster):
 
     async def _correct_state_internal(self) -> None:
         """Start/stop workers to match the spec. A Nanny reads `pre-spawn-environ` (thread counts must be set before a
-        worker imports numpy/torch) and the config its worker gets when it is *created*, so both are set around every
-        creation, not only the first."""
-        settings = dict(self._worker_config)
-        if self._pre_spawn is not None:
-            settings["distributed.nanny.pre-spawn-environ"] = self._pre_spawn
-        with dask.config.set(settings):  # a Nanny passes the config it was created under to its worker
+        worker imports numpy/torch) when it is *created*, so it is set around every creation, not only the first."""
+        if self._pre_spawn is None:
+            return await super()._correct_state_internal()
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": self._pre_spawn}):
             return await super()._correct_state_internal()
 
     def protected(self) -> set[str]:
