@@ -216,7 +216,8 @@ class Session(Drive, WrapUp, LiveMetrics):
             self._cluster_clean = False
             return
         try:
-            counts = self.client.run(abandoned_threads, wait=True)
+            # a worker that does not answer within 30 s: the cluster is not kept
+            counts = self.client.run(abandoned_threads, callback_timeout=30)
             self._cluster_clean = not any(counts.values())
         except Exception:  # noqa: BLE001 - a cluster that cannot answer is not kept
             self._cluster_clean = False

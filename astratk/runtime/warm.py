@@ -58,16 +58,16 @@ def layout_key(spec: RunSpec) -> str | None:
                  c.rollout_gpus, c.dashboard, sorted(pre_spawn.items())))
 
 
-def rethread(client: Any, cluster: Any, threads: int) -> None:
+def rethread(client: Any, cluster: Any, threads: int, timeout_s: float = 30.0) -> None:
     """Give a kept cluster's workers this run's thread count (`astratk.cpu.run_threads`), as a fresh cluster would
     have started them with: the thread variables in each worker's environment (read by what starts later: vLLM's CPU
     backend reads OMP_NUM_THREADS), torch's intra-op threads, each nanny's environment for a worker it restarts, and
-    the cluster's for a worker it adds."""
+    the cluster's for a worker it adds. A worker that does not answer within `timeout_s` fails the run's start."""
     from astratk.runtime.pools import THREAD_ENV
 
     env = {k: str(threads) for k in THREAD_ENV}
-    client.run(_worker_threads, env, threads)
-    client.run(_nanny_threads, env, nanny=True)
+    client.run(_worker_threads, env, threads, callback_timeout=timeout_s)
+    client.run(_nanny_threads, env, nanny=True, callback_timeout=timeout_s)
     pre_spawn = getattr(cluster, "_pre_spawn", None)
     if pre_spawn is not None:
         pre_spawn.update(env)

@@ -158,6 +158,7 @@ def test_a_taken_cluster_gets_the_new_runs_thread_count(monkeypatch):
     class Client:
         def run(self, fn, *args, **kw):
             calls.append(fn.__name__)
+            assert kw.pop("callback_timeout") > 0  # every remote wait is bounded
             if kw.get("nanny"):
                 fn(*args, dask_worker=nanny)
             else:
