@@ -64,6 +64,7 @@ from astratk.models.chat import encode_chat, parse_tool_calls
 from astratk.records import Task, Trajectory
 from astratk.registry import import_object
 from astratk.rollout.bounded import _abandon
+from astratk.rollout.openai_api import OpenAIEndpoint
 
 ARGS_AGENT = ("task", "prompt", "base_url", "api_key", "model", "base_urls", "models", "session")
 ARGS_REWARD = ("task", "prompt", "output", "calls", "role")
@@ -206,8 +207,6 @@ class AgentEnv(DatasetEnv):
 
     def endpoint(self) -> Any:
         """This process's endpoint, started on first use (a random API key; bound to `host`)."""
-        from astratk.rollout.openai_api import OpenAIEndpoint
-
         with self._endpoint_lock:
             if self._endpoint is None or not self._endpoint.running:
                 self._endpoint = OpenAIEndpoint(None, self.model_name, host=self.host,

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
-import gc
 import hashlib
 import logging
 import os
@@ -38,54 +36,17 @@ from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Traject
 from astratk.rollout.bounded import BoundExceeded, bounded_episode, call_bounded, run_episodes
 from astratk.rollout.context import limit_engines
 from astratk.rollout.lockstep import Lockstep
+from astratk.rollout.services import service_for
 from astratk.spec import LoraSpec
 from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
-_SERVICES: dict[str, RolloutService] = {}
-_SERVICES_LOCK = threading.Lock()
-_ENDED: dict[str, None] = {}  # runs whose services were released here, oldest first (a bounded record)
-_ENDED_KEEP = 1000
-
-
 def get_service(ctx: RunContext) -> RolloutService:
-    """The process-wide service for this run, created on first use; refused once the run has ended here (a task
-    that was still running when its run stopped must not build the engines again)."""
-    with _SERVICES_LOCK:
-        if ctx.run_id in _ENDED:
-            raise RuntimeError(f"run {ctx.run_id} has ended: its rollout service on this worker was released")
-        service = _SERVICES.get(ctx.run_id)
-        if service is None:
-            service = _SERVICES[ctx.run_id] = RolloutService(ctx)
-        return service
-
-
-def release_service(run_id: str) -> bool:
-    """Close this process's service of a run that ended (its engines: model weights, KV caches, vLLM) and refuse it
-    from now on. A worker outlives runs (a long-lived `dask worker`, a local cluster kept warm for the next run):
-    without this each run's engines would stay in its memory. True when there was one."""
-    with _SERVICES_LOCK:
-        service = _SERVICES.pop(run_id, None)
-        _ENDED[run_id] = None
-        while len(_ENDED) > _ENDED_KEEP:
-            del _ENDED[next(iter(_ENDED))]
-    if service is None:
-        return False
-    service.close()
-    del service
-    gc.collect()  # engines hold reference cycles (models, batcher threads' closures)
-    _trim_heap()
-    return True
-
-
-def _trim_heap() -> None:
-    """Hand the freed model memory back to the OS (glibc keeps freed blocks for reuse otherwise); no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    """The process-wide service for this run, created on first use; refused once the run has ended here
+    (`astratk.rollout.services` keeps the record and releases it)."""
+    return service_for(ctx.run_id, lambda: RolloutService(ctx))
 
 
 def _quiet_transformers() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from astratk.dataflow.client import DataLayerClient, bind_actor
 from astratk.dataflow.datalayer import DataLayer
 from astratk.records import RunContext
+from astratk.rollout.services import release_service
 from astratk.runtime import registry
 from astratk.runtime.acquisition import Acquisition
 from astratk.runtime.cluster import wait_for_workers
@@ -67,8 +68,6 @@ def release_services(client: Any, run_id: str, timeout_s: float = 30.0) -> None:
     """Every worker closes its rollout service of run `run_id` (its engines and their memory): workers outlive runs
     on a long-lived cluster, or a local one kept warm for the next run. A worker that does not answer within
     `timeout_s` keeps its service until it exits; the run is over either way."""
-    from astratk.rollout.service import release_service
-
     try:
         client.run(release_service, run_id, on_error="ignore", callback_timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - teardown goes on; a worker that cannot be reached frees nothing

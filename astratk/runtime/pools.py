@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 import dask
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 from distributed.core import Status
-from distributed.http.routing import RoutingApplication
 from distributed.utils import NoOpAwaitable
 
 from astratk.gpu import cuda_visible_devices, rollout_gpus
 from astratk.rollout.hardware import SimulatedHardware, worker_hardware
+from astratk.runtime.no_http import NoHTTPScheduler, NoHTTPWorker
 from astratk.spec import SCORE_LABEL, WorkerClass
 
 if TYPE_CHECKING:
@@ -62,24 +62,6 @@ __all__ = ["NoHTTPScheduler", "NoHTTPWorker", "PoolCluster", "SimulatedHardware"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 ALLOCATOR_ENV = ("MALLOC_TRIM_THRESHOLD_",)  # Dask's pre-spawn allocator setting, left out (start_pool_cluster)
 CONTROL = "control"
-
-
-class _NoHTTP:
-    """A Dask server that starts no HTTP server: `dashboard=False` alone leaves Dask's own routes listening (on 8787
-    for a scheduler without a dashboard address). Dask reads `http_application` when it stops its services; an empty
-    one serves nothing, and without `services["dashboard"]` the dashboard link is empty."""
-
-    def start_http_server(self, routes: Any, dashboard_address: Any, default_port: int = 0,
-                          ssl_options: Any = None) -> None:
-        self.http_application = RoutingApplication([])
-
-
-class NoHTTPScheduler(_NoHTTP, Scheduler):
-    """A `distributed.Scheduler` that listens on its comm port only (`cluster.dashboard: false`)."""
-
-
-class NoHTTPWorker(_NoHTTP, Worker):
-    """A `distributed.Worker` that listens on its comm port only (`cluster.dashboard: false`)."""
 
 
 def rollout_labels(policies: Sequence[str]) -> dict[str, float]:

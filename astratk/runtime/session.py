@@ -31,6 +31,7 @@ import torch
 
 from astratk.models import ensure_model
 from astratk.records import Drop, RunContext
+from astratk.rollout.bounded import abandoned_threads
 from astratk.runtime import warm
 from astratk.runtime.cluster import connect, start_local_cluster
 from astratk.runtime.drive import Drive
@@ -210,8 +211,6 @@ class Session(Drive, WrapUp, LiveMetrics):
     def _check_workers_clean(self) -> None:
         """Whether the local cluster may serve the next run: this run ended without an error and no worker has a
         thread of user code it had to abandon (`astratk.rollout.bounded`) still around."""
-        from astratk.rollout.bounded import abandoned_threads
-
         if self._exc is not None or self.state == "failed":
             self._cluster_clean = False
             return

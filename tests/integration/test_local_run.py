@@ -136,7 +136,7 @@ def test_the_next_run_starts_on_the_cluster_the_last_one_kept_warm(tmp_path):
     run's rollout services are released from the workers (their engines' memory) at its end; with 0 it is closed."""
     import dataclasses
 
-    from astratk.rollout import service as svc
+    from astratk.rollout import services as svc
     from astratk.runtime import warm
 
     warm.close_kept()
@@ -158,7 +158,7 @@ def test_the_next_run_starts_on_the_cluster_the_last_one_kept_warm(tmp_path):
     from distributed import Client
 
     with Client(cluster, set_as_default=False) as client:
-        assert set(client.run(lambda: len(svc._SERVICES)).values()) == {0}
+        assert set(client.run(lambda: len(svc.SERVICES)).values()) == {0}
         # a run with another torch thread count takes it too, and its workers get its count, as fresh ones would
         spec = small_spec(tmp_path, max_steps=2)
         spec.cluster = dataclasses.replace(spec.cluster, torch_threads=2)

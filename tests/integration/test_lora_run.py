@@ -77,6 +77,7 @@ def test_lora_run_publishes_adapters_and_exports_them(tmp_path):
 
 def test_two_lora_policies_share_one_base_in_the_rollout_service(tmp_path, monkeypatch):
     from astratk.rollout import service as services
+    from astratk.rollout.services import SERVICES
 
     env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
     trainer = TrainerSpec(max_steps=2, groups_per_step=2, batch_timeout_s=120)
@@ -101,10 +102,10 @@ def test_two_lora_policies_share_one_base_in_the_rollout_service(tmp_path, monke
         close(service)
 
     monkeypatch.setattr(services.RolloutService, "close", look_then_close)
-    before = set(services._SERVICES)
+    before = set(SERVICES)
     result = Run(spec, printer=lambda s: None).start()
     assert result.summary["solver_final_version"] == 2 and result.summary["verifier_final_version"] == 2
-    assert set(services._SERVICES) == before  # released, its engines closed
+    assert set(SERVICES) == before  # released, its engines closed
     [released] = seen  # this process's one rollout service
     views = released["views"]
     assert {pid for _, pid in views} == {"solver", "verifier"}

@@ -122,6 +122,7 @@ def test_edited_code_is_not_run_by_kept_workers(tmp_path, monkeypatch):
 
 def test_a_released_service_closes_its_engines_and_is_refused_after(tiny_ctx):
     from astratk.rollout import service as svc
+    from astratk.rollout.services import SERVICES, release_service
 
     s = svc.get_service(tiny_ctx)
     closed = []
@@ -129,11 +130,11 @@ def test_a_released_service_closes_its_engines_and_is_refused_after(tiny_ctx):
     shared = SimpleNamespace(close=lambda: closed.append("shared"))
     s._bases["/m"] = shared
     s._engines[("eval", "main")] = shared  # a view and its base: closed once
-    assert svc.release_service(tiny_ctx.run_id) is True
-    assert sorted(closed) == ["own", "shared"] and tiny_ctx.run_id not in svc._SERVICES
+    assert release_service(tiny_ctx.run_id) is True
+    assert sorted(closed) == ["own", "shared"] and tiny_ctx.run_id not in SERVICES
     with pytest.raises(RuntimeError, match="has ended: its rollout service on this worker was released"):
         svc.get_service(tiny_ctx)
-    assert svc.release_service(tiny_ctx.run_id) is False
+    assert release_service(tiny_ctx.run_id) is False
 
 
 @pytest.fixture
