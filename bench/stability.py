@@ -366,10 +366,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from vs_trl import HeldOut, torch_threads
-
-    from astratk.models.cache import ensure_model
-
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "cells.jsonl"
     done: list[dict[str, Any]] = []
@@ -402,9 +398,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not todo:
             print(f"{len(done)} cells in {log}; {len(missing)} of the grid not run yet")
         tmp = Path(tmp_name)
-        spec = cell_spec(args, args.loss_list[0] if not args.cell else args.cell.split(":")[0],
-                         "async4", 0, tmp / "runs")
-        if todo:
+        if todo:  # only now the model, the trainer and their imports: --report and a finished --resume need none
+            from vs_trl import HeldOut, torch_threads
+
+            from astratk.models.cache import ensure_model
+
+            spec = cell_spec(args, args.loss_list[0] if not args.cell else args.cell.split(":")[0],
+                             "async4", 0, tmp / "runs")
             with torch_threads(1):
                 model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
             evaluate = HeldOut(model_dir, spec.env, args.heldout, os.cpu_count() or 1)
