@@ -17,7 +17,7 @@ from astratk.quick import short_mode, smoke, tutorial_file
 
 run = astratk.Run.from_config(tutorial_file("real_model.yaml"), "--output_dir", "runs/tutorials")
 if short_mode():
-    run = astratk.Run(smoke(run.spec, steps=2, heldout=8))
+    run = astratk.Run(smoke(run.spec, steps=2, heldout=8, max_new_tokens=16))
 print(run.spec.policies[0].model)
 
 # %% [markdown]
