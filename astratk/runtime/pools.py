@@ -62,6 +62,7 @@ __all__ = ["NoHTTPScheduler", "NoHTTPWorker", "PoolCluster", "SimulatedHardware"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 ALLOCATOR_ENV = ("MALLOC_TRIM_THRESHOLD_",)  # Dask's pre-spawn allocator setting, left out (start_pool_cluster)
 CONTROL = "control"
+ROLLOUT_MODULE = "astratk.rollout.tasks"  # what a pool's worker imports as it starts (Dask's worker `preload`)
 
 
 def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
@@ -89,8 +90,11 @@ def worker_gpus(spec: RunSpec) -> list[str]:
 def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int,
                 dashboard: bool = False) -> dict[str, Any]:
     resources = dict(labels if wc.resources is None else wc.resources)
+    # A pool's worker imports the rollout tasks' modules (the engines, torch, transformers: ~4 s of CPU here) as it
+    # starts, while the cluster comes up, not on the clock of the run's first task; the control worker never needs them
+    preload = [*(dask.config.get("distributed.worker.preload", default=None) or []), ROLLOUT_MODULE]
     options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": wc.nthreads or nthreads, "resources": resources,
-                               "plugins": [SimulatedHardware(wc.name, wc.slowdown)]}
+                               "plugins": [SimulatedHardware(wc.name, wc.slowdown)], "preload": preload}
     return _worker_spec(options, processes, dashboard)
 
 
