@@ -195,7 +195,7 @@ class Drive:
             run_dir=self.run_dir, stop_file=trainer_dir(self.run_dir, policy_id) / "STOP",
             printer=self.print, status=lambda: self._status(policy_id), extra=feed)
         self.recorders[policy_id] = trainer.recorder
-        self.trainer_loggers = list(trainer.trainer.loggers)
+        self.attach_loggers(trainer.trainer.loggers)
         ckpt = self.resume_point.checkpoint if self.resume_point else None
         return lambda: {policy_id: trainer.fit(ckpt)}
 

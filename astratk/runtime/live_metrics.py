@@ -29,9 +29,22 @@ class LiveMetrics:
                 self._logger_error = repr(e)
                 self.print(f"a logger refused the run's metrics ({type(e).__name__}: {e}); they stay in metrics.nc")
 
+    def attach_loggers(self, loggers: list[Any]) -> None:
+        """The in-process trainer's loggers, once it is built; they get the evaluations that finished before (the
+        starting model's is evaluated while the trainer starts, and may finish first)."""
+        with self._loggers_lock:
+            self.trainer_loggers = list(loggers)
+            early, self._early_evals = self._early_evals or [], None
+        for r in early:
+            self._log_eval(r)
+
     def _log_eval(self, r: dict[str, float]) -> None:
         if len(self.spec.policies) != 1:
             return
+        with self._loggers_lock:
+            if self._early_evals is not None:  # no trainer here yet: kept for its loggers (a trainer elsewhere: none)
+                self._early_evals.append(r)
+                return
         pid = self.spec.policies[0].policy_id
         keys = [k for k in r if k == "accuracy" or k.startswith(("accuracy_", "pass_at_"))]
         self._log({f"eval/{pid}/{k}": r[k] for k in keys}, step=int(r["version"]),

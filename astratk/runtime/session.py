@@ -21,6 +21,7 @@ The run loop is `astratk.runtime.drive`, the wrap-up (evaluations, collected row
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,6 +71,8 @@ class Session(Drive, WrapUp, LiveMetrics):
         self.stream: Any = None  # the in-process trainer's GroupStream (single-policy runs)
         self.recorders: dict[str, Any] = {}  # the in-process trainer's StepRecorder: its rows grow as it trains
         self.trainer_loggers: list[Any] = []  # the in-process trainer's Lightning loggers (evaluations go there too)
+        self._early_evals: list[dict[str, float]] | None = []  # evaluations done before those loggers existed
+        self._loggers_lock = threading.Lock()
         self._logger_error: str | None = None
         self.metrics_writes = 0  # partial metrics.nc files written while training (metrics_every_s)
         self.trainer_error: BaseException | None = None  # what the in-process trainer raised, if it did

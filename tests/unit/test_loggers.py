@@ -176,3 +176,32 @@ def test_flat_config_names_the_loss_and_its_arguments():
     assert flat["policies.0.loss.init_args.delta"] == 0.7
     assert flat["rollout.group_size"] >= 1 and flat["env.class_path"].endswith("ArithmeticEnv")
     assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())
+
+
+def test_an_evaluation_that_ends_before_the_trainer_exists_reaches_its_loggers():
+    """The starting model is evaluated while the trainer starts; on a quick machine that evaluation can end before the
+    trainer (and its loggers) exist. It is kept and logged, at its version's step, as the loggers arrive."""
+    import threading
+
+    from astratk.runtime.live_metrics import LiveMetrics
+
+    class Logger:
+        def __init__(self):
+            self.rows = []
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, metrics))
+
+        def save(self):
+            pass
+
+    metrics = LiveMetrics()
+    metrics.spec = RunSpec()
+    metrics.state, metrics.print, metrics._logger_error = "starting", print, None
+    metrics.trainer_loggers, metrics._early_evals, metrics._loggers_lock = [], [], threading.Lock()
+    metrics._log_eval({"version": 0, "accuracy": 0.25, "n": 8})
+    logger = Logger()
+    metrics.attach_loggers([logger])
+    metrics.state = "training"
+    metrics._log_eval({"version": 2, "accuracy": 0.5, "n": 8})
+    assert logger.rows == [(0, {"eval/main/accuracy": 0.25}), (2, {"eval/main/accuracy": 0.5})]
