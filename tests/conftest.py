@@ -45,7 +45,10 @@ def smollm2_dir():
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject's addopts): one test process per core the suite may use, at most 4. Many tests start
     processes of their own (Dask workers, kernels, vLLM) and load models of a few GB: more test processes than that
-    would only queue for the cores and the memory."""
+    would only queue for the cores and the memory. With a GPU, one: tests/gpu size engines by the GPU's free memory
+    (vLLM's gpu_memory_utilization, the placement checks), which a second test process would take from them."""
+    if torch.cuda.is_available():
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
