@@ -30,7 +30,9 @@ def smoke(spec: RunSpec, steps: int = 3, heldout: int = 16, cache_dir: str | Non
                                                                warm_start_batch=32, warm_start_target=None))
         p.trainer = dataclasses.replace(p.trainer, max_steps=steps, max_time_s=None,
                                         groups_per_step=min(p.trainer.groups_per_step, 4), checkpoint_every=None)
-    tokens = spec.rollout.max_new_tokens if max_new_tokens is None else min(spec.rollout.max_new_tokens, max_new_tokens)
+    tokens = spec.rollout.max_new_tokens
+    if max_new_tokens is not None:
+        tokens = min(tokens, max_new_tokens)
     spec.rollout = dataclasses.replace(spec.rollout, group_size=min(spec.rollout.group_size, 4),
                                        tasks_per_chunk=min(spec.rollout.tasks_per_chunk, 4), max_new_tokens=tokens)
     spec.eval = dataclasses.replace(spec.eval, max_tasks=heldout, interval_s=1e6, pass_k=min(spec.eval.pass_k, 2))

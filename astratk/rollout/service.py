@@ -43,6 +43,7 @@ from astratk.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
+
 def get_service(ctx: RunContext) -> RolloutService:
     """The process-wide service for this run, created on first use; refused once the run has ended here
     (`astratk.rollout.services` keeps the record and releases it)."""

@@ -1,5 +1,6 @@
-"""A Dask preload that closes a scheduler's or worker's HTTP port: `dask scheduler --preload astratk.runtime.no_http`
-and `dask worker --preload astratk.runtime.no_http`.
+"""Dask servers without an HTTP port: a preload that closes a scheduler's or worker's HTTP port (`dask scheduler
+--preload astratk.runtime.no_http`, `dask worker --preload astratk.runtime.no_http`), and the scheduler and worker
+classes of a run's own local cluster, which never open one.
 
 Dask starts an HTTP server in every scheduler and worker, even with `--no-dashboard`, and it answers anyone, TLS or
 not: `/health`, Prometheus `/metrics`, `/json/identity.json` (the workers by name and address), `/info` pages (worker
