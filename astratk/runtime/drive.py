@@ -121,7 +121,8 @@ class Drive:
             fit = trainers()
             t0 = time.time()
             self.evaluator.train_t0 = t0
-            self.evaluator.start(evaluated=dict.fromkeys((p.policy_id for p in self.spec.policies), first))
+            self.evaluator.start(evaluated=dict.fromkeys((p.policy_id for p in self.spec.policies), first),
+                                 after=first_eval)
             writer = self._start_metrics_writer()
             self.starvation = self._start_starvation_monitor()
             try:

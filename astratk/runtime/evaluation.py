@@ -37,6 +37,7 @@ class Evaluator:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._evaluated: dict[str, int] = {}  # versions evaluated before the periodic loop started
+        self._after: concurrent.futures.Future | None = None  # what the periodic loop waits for before its first
 
     def evaluate(self, version: int | dict[str, int | None] | None = None, *, priority: int = 100,
                  timeout_s: float | None = None) -> dict[str, float]:
@@ -90,9 +91,13 @@ class Evaluator:
         threading.Thread(target=run, name="astratk-eval-first", daemon=True).start()
         return future
 
-    def start(self, evaluated: dict[str, int] | None = None) -> Evaluator:
-        """Evaluate periodically from now on; `evaluated`: versions already evaluated (or being evaluated)."""
+    def start(self, evaluated: dict[str, int] | None = None, after: concurrent.futures.Future | None = None
+              ) -> Evaluator:
+        """Evaluate periodically from now on; `evaluated`: versions already evaluated (or being evaluated). With
+        `after` (the first evaluation's future), the first periodic one waits until it is done: both would run on the
+        same rollout workers, and the records (and the loggers' rows) then come in version order."""
         self._evaluated = dict(evaluated or {})
+        self._after = after
         self._thread = threading.Thread(target=self._loop, name="astratk-eval", daemon=True)
         self._thread.start()
         return self
@@ -117,6 +122,9 @@ class Evaluator:
         return latest
 
     def _loop(self) -> None:
+        while self._after is not None and not self._after.done():
+            if self._stop.wait(0.25):
+                return
         last = {pid: max((int(r.get(f"version_{pid}", r["version"])) for r in self.records),
                          default=self._evaluated.get(pid, -1))
                 for pid in self.policy_ids}
