@@ -3,7 +3,8 @@
 A pool is a list of `WorkerClass`es (defined in `astratk.spec`, re-exported here). `start_pool_cluster` builds a
 `PoolCluster`: one `control` worker (it hosts the data-layer actor) plus `count` workers per class, named
 `{class}-{i}`. Scaling touches one elastic class only, so neither `cluster.scale(n)` nor Dask's adaptive scaling can
-retire the control worker (adaptive scaling chooses which workers to retire).
+retire the control worker (adaptive scaling chooses which workers to retire). A killed worker is restarted by its
+nanny however long the new process takes to import its modules (Dask's `SpecCluster` would drop it after 15 s).
 
 Several GPUs on one machine (`cluster.rollout_gpus: all` or `[1, 2, 3]`): one worker per GPU in the class "rollout",
 named `rollout-{i}`, each with CUDA_VISIBLE_DEVICES set by its nanny before the worker starts, as dask-cuda's
@@ -44,8 +45,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import dask
+from dask.utils import parse_timedelta
 from distributed import Nanny, Scheduler, SpecCluster, Worker
 from distributed.core import Status
+from distributed.deploy.cluster import Cluster
 from distributed.utils import NoOpAwaitable
 
 from astratk.gpu import cuda_visible_devices, rollout_gpus
@@ -111,6 +114,10 @@ def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool) -> d
     # worker INFO lines would drown the run's progress; the nanny builds `worker_class` in the worker's process
     return {"cls": EnvNanny, "options": {**options, "silence_logs": logging.WARNING, "worker_class": worker}}
 
+
+# lost-worker timeouts (distributed.deploy.lost-worker-timeout, 15 s by default) a nanny may spend restarting a killed
+# worker before the cluster closes it and starts the worker afresh (PoolCluster._check_restart)
+RESTART_PATIENCE = 10
 
 _env_lock = threading.Lock()
 _env_starts = 0  # nanny starts in flight in this process that have not spawned their worker yet
@@ -244,6 +251,7 @@ class PoolCluster(SpecCluster):
         self._pre_spawn = pre_spawn_environ
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
         self.gpus = gpus or {}
+        self._lost: dict[str, str] = {}  # worker name -> address of its last process that left the scheduler
         # dashboard off means off: Dask's Scheduler(dashboard=False) still serves its HTTP routes, on 8787 when no
         # address is given (warning when another Dask holds it); NoHTTPScheduler opens no HTTP port at all
         scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": True,
@@ -260,6 +268,43 @@ class PoolCluster(SpecCluster):
             return await super()._correct_state_internal()
         with dask.config.set({"distributed.nanny.pre-spawn-environ": self._pre_spawn}):
             return await super()._correct_state_internal()
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        """A worker left the scheduler. SpecCluster closes its nanny for good when no worker of that name is back
+        within `distributed.deploy.lost-worker-timeout` (15 s): right for a batch job that hung, wrong here, where the
+        nanny is restarting a killed worker and the restart (a fresh process importing torch and the engines) took
+        over 15 s on a busy 2-core machine, so the class lost the worker for the rest of the run. A nanny still
+        restarting is left to finish, with a warning each time the timeout passes again; one that gave up, or is still
+        restarting after `RESTART_PATIENCE` timeouts, is closed and the worker is started afresh from the spec."""
+        info = self.scheduler_info.get("workers", {}).get(msg) if op == "remove" else None
+        nanny = self.workers.get(info["name"]) if info else None
+        if not isinstance(nanny, Nanny):  # in-process workers, or a name this cluster no longer runs: Dask's rule
+            return super()._update_worker_status(op, msg)
+        Cluster._update_worker_status(self, op, msg)  # Cluster's bookkeeping, without the hard close
+        self._lost[info["name"]] = msg  # a later loss of the same name supersedes this one's watch
+        self._watch_restart(info["name"], msg, nanny, waited=0)
+
+    def _watch_restart(self, name: str, address: str, nanny: Nanny, waited: int) -> None:
+        delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        asyncio.get_running_loop().call_later(delay, self._check_restart, name, address, nanny, waited + 1, delay)
+
+    def _check_restart(self, name: str, address: str, nanny: Nanny, waited: int, delay: float) -> None:
+        back = any(w.get("name") == name for w in self.scheduler_info.get("workers", {}).values())
+        if (back or self._lost.get(name) != address or self.status in (Status.closing, Status.closed)
+                or self.workers.get(name) is not nanny):
+            return
+        restarting = (nanny.status == Status.running and nanny.process is not None
+                      and nanny.process.status in (Status.starting, Status.stopped, Status.init))
+        log = logging.getLogger(__name__)
+        if restarting and waited < RESTART_PATIENCE:
+            log.warning("worker %s: its nanny has been restarting it for %.0f s (a fresh process imports torch and the "
+                        "engines; slow on a busy machine); still waiting", name, waited * delay)
+            return self._watch_restart(name, address, nanny, waited)
+        log.warning("worker %s did not come back within %.0f s (nanny %s); starting it afresh", name, waited * delay,
+                    nanny.status.name)
+        self._futures.add(asyncio.ensure_future(nanny.close()))
+        del self.workers[name]
+        self.loop.add_callback(self._correct_state)
 
     def protected(self) -> set[str]:
         """Workers that scaling never retires: `control` and every class but the elastic one."""

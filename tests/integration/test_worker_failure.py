@@ -54,3 +54,60 @@ def test_killed_rollout_worker_loses_no_step(tmp_path):
     # after the restart the new process caught up: late batches carry versions far above 0
     assert max(r["train/main/behavior_version_max"] for r in rows[-3:]) >= 3
     assert counters["data/tasks_completed"] >= 10
+
+
+def _back(client, name: str, old_pid: int, timeout: float = 120) -> int:
+    """The pid of worker `name` once a process other than `old_pid` has joined under that name."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            workers = client.scheduler_info(n_workers=-1)["workers"]
+            addrs = [a for a, w in workers.items() if w.get("name") == name]
+            pid = client.run(os.getpid, workers=addrs)[addrs[0]] if addrs else None
+        except OSError:  # the dead worker was still listed: its comm is closed
+            pid = None
+        if pid is not None and pid != old_pid:
+            return pid
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for worker {name} to come back"
+        time.sleep(0.3)
+
+
+def test_a_slow_restart_keeps_the_worker_and_a_failed_one_starts_it_afresh(monkeypatch, caplog):
+    """Dask's SpecCluster closes a lost worker's nanny for good when no worker of that name is back within
+    `lost-worker-timeout` (15 s); a restart that imports torch on a busy 2-core machine took longer, and the pool
+    lost the worker for the rest of the run. Here the timeout is shorter than any restart (0.2 s)."""
+    import dask
+    from distributed import Client
+
+    from astratk.runtime import pools
+    from astratk.spec import ClusterSpec, RunSpec
+
+    monkeypatch.setattr(pools, "RESTART_PATIENCE", 10_000)
+    spec = RunSpec(cluster=ClusterSpec(rollout_workers=1)).validate()
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}):
+        cluster = pools.start_pool_cluster(spec)
+        try:
+            with Client(cluster) as client:
+                client.wait_for_workers(2, timeout=120)
+                nanny = cluster.workers["rollout-0"]
+                _, pid = rollout_worker(client)
+                with caplog.at_level("WARNING", logger="astratk.runtime.pools"):
+                    os.kill(pid, signal.SIGKILL)
+                    pid = _back(client, "rollout-0", pid)
+                assert cluster.workers["rollout-0"] is nanny  # the same nanny restarted it: nothing was closed
+                assert "its nanny has been restarting it" in caplog.text
+
+                # a nanny that cannot restart its worker is given up on: the worker is started afresh from the spec
+                async def fail() -> None:
+                    raise RuntimeError("simulated: the restart failed")
+
+                monkeypatch.setattr(nanny, "instantiate", fail)
+                monkeypatch.setattr(pools, "RESTART_PATIENCE", 3)
+                with caplog.at_level("WARNING", logger="astratk.runtime.pools"):
+                    os.kill(pid, signal.SIGKILL)
+                    _back(client, "rollout-0", pid)
+                assert cluster.workers["rollout-0"] is not nanny
+                assert "did not come back" in caplog.text and "starting it afresh" in caplog.text
+                assert set(cluster.workers) == {"control", "rollout-0"}
+        finally:
+            cluster.close()
