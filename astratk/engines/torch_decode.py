@@ -181,6 +181,7 @@ def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequ
                 clock.lap("prefill_s")
                 continue
         logits = batch.forward(tok, step)
+        pacing.forwarded()
         clock.lap("forward_s")
     out = batch.results(step_versions)
     clock.lap("output_s")

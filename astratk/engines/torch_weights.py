@@ -116,20 +116,30 @@ class InflightPacing:
 
     Why paced: a recompute prefills every running prefix again. Versions published faster than that would make each
     token pay a whole prefill (decoding stalls: measured 26x slower at a version every 0.3 s), so the next in-flight
-    load is taken only after decoding for as long as the last recompute took: recomputing takes at most about half
-    the engine's time, and a waiting load waits at most that long (or for the batch's end)."""
+    load is taken only after decoding for as long as the last recompute took, and for one decode step at least (on a
+    loaded machine sampling the recompute's token alone could outlast it, and the version then served one token):
+    recomputing takes at most about half the engine's time, and a waiting load waits at most that long (or for the
+    batch's end)."""
 
     def __init__(self, weight_updates: str) -> None:
         self.inflight = weight_updates != "between_requests"
         self.recompute = weight_updates == "inflight_recompute"
         self.decoding_since, self.recompute_cost = time.perf_counter(), 0.0
+        self.stepped = True  # a decode step ran since the last recompute
 
     def due(self) -> bool:
         """Whether the decode loop lets waiting loads run before its next step."""
-        return self.inflight and (not self.recompute or time.perf_counter() - self.decoding_since >= self.recompute_cost)
+        if not self.recompute:
+            return self.inflight
+        return self.stepped and time.perf_counter() - self.decoding_since >= self.recompute_cost
+
+    def forwarded(self) -> None:
+        """A decode step ran."""
+        self.stepped = True
 
     def recomputed(self, started: float) -> float:
         """A recompute that began at `started` has ended: decoding resumes now. Returns its seconds."""
         self.decoding_since = time.perf_counter()
         self.recompute_cost = self.decoding_since - started
+        self.stepped = False
         return self.recompute_cost

@@ -192,6 +192,21 @@ def test_recompute_cannot_stall_decoding_when_versions_arrive_at_every_step():
     assert 1 <= engine.stats["inflight_loads"] <= N // 2 and engine.stats["recompute_s"] > 0
 
 
+def test_after_a_recompute_the_next_load_waits_for_a_decode_step():
+    """Time alone did not pace it: on a loaded machine sampling the recompute's token took longer than the recompute,
+    the next load came at once, and that version served one token (the test above failed so under 3 test processes)."""
+    from astratk.engines.torch_weights import InflightPacing
+
+    pacing = InflightPacing("inflight_recompute")
+    assert pacing.due()  # the first load pays no recompute yet
+    pacing.recomputed(time.perf_counter() - 1e-9)  # a recompute that took no time
+    time.sleep(0.01)  # ... and a slow sampling step after it
+    assert not pacing.due()
+    pacing.forwarded()
+    assert pacing.due()
+    assert InflightPacing("inflight").due() and not InflightPacing("between_requests").due()
+
+
 def test_a_load_that_fails_half_way_breaks_the_engine_until_rebuilt():
     model = tiny_model(0)
     engine = TorchEngine.from_model(model, version=0)
