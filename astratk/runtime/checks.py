@@ -16,7 +16,7 @@ from astratk.registry import REGISTRY, resolve_path
 from astratk.runtime.resume import checkpoint_time_used, find_resume_point, same_store
 from astratk.spec import ModelSpec, RunSpec, StartError
 from astratk.spec.model import is_hub_id, is_pypi_path
-from astratk.training.build import placement
+from astratk.training.placement import placement
 
 
 def check_resume(spec: RunSpec) -> None:
@@ -95,7 +95,7 @@ def check_output_dir(spec: RunSpec) -> None:
 
 def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:
     """Before a local run writes anything: its trainers can be placed here (a GPU asked for and
-    absent, bf16 on a GPU without it: `astratk.training.build.placement`), and on each GPU of this
+    absent, bf16 on a GPU without it: `astratk.training.placement.placement`), and on each GPU of this
     machine the memory fractions of everything the run places there fit (`astratk.gpu.check_fit`:
     sum <= 1, and within what is free now). Counted: each policy's `trainer.gpu_memory_fraction` on its trainer's GPUs (when the
     trainers run here: not for `astratk deploy`), and `rollout.engine_args.gpu_memory_utilization`
@@ -124,7 +124,7 @@ def check_gpu_memory(spec: RunSpec, trainers_here: bool = True) -> None:
 def _trainer_shares(spec: RunSpec) -> list[tuple[int, str, float]]:
     """(GPU index, key, fraction) of each policy's trainer that runs on a GPU with a fraction set:
     Lightning's first `devices` GPUs. Every trainer's placement is resolved here
-    (`astratk.training.build.placement`), so that its errors come before anything is written."""
+    (`astratk.training.placement.placement`), so that its errors come before anything is written."""
     out = []
     for i, p in enumerate(spec.policies):
         key = f"policies[{i}].trainer"

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from astratk.dataflow.client import DataLayerClient
-from astratk.gpu import bf16_native
 from astratk.spec import RunSpec, TrainerSpec
 from astratk.training._pl import pl
 from astratk.training.data import GroupStream, RolloutDataModule
 from astratk.training.loggers import log_config, make_loggers
 from astratk.training.memory import GpuMemoryShare
 from astratk.training.module import PolicyModule
+from astratk.training.placement import placement
 from astratk.training.recorder import ProgressPrinter, StepRecorder, StopFile
 from astratk.weights.store import WeightStore
 
@@ -72,41 +72,6 @@ def group_stream(spec: RunSpec, policy_id: str, datalayer: DataLayerClient, mode
     return GroupStream(datalayer, policy_id, pad_id, start_step=start_step,
                        max_steps=ts.max_steps if max_steps is None else max_steps,
                        timeout_s=ts.batch_timeout_s, rank=rank, world_size=world_size)
-
-
-def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
-    """Lightning's `accelerator`, `devices`, `precision` and `strategy` for this trainer, with
-    "auto" resolved on this machine: the GPU when torch sees one; bf16-mixed on a CUDA GPU that has
-    bf16, 32-true elsewhere. A GPU asked for and absent, or bf16 on a GPU without it, fails here,
-    naming the key, before anything trains.
-
-    >>> from astratk.spec import TrainerSpec
-    >>> import torch
-    >>> torch.cuda.is_available() or placement(TrainerSpec()) == {
-    ...     "accelerator": "cpu", "devices": 1, "precision": "32-true", "strategy": "auto"}
-    True
-    """
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if ts.accelerator in ("gpu", "cuda") and not cuda:
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise ValueError(f"{key}.accelerator is {ts.accelerator!r} but torch {torch.__version__} "
-                         f"({build}) sees no CUDA device; set {key}.accelerator: auto or cpu, or "
-                         "install a CUDA build of torch")
-    on_gpu = ts.accelerator in ("gpu", "cuda") or (ts.accelerator == "auto" and cuda)
-    # native bf16 (compute capability >= 8.0), as the engines decide: torch's is_bf16_supported() also counts
-    # emulated bf16 (a T4 says yes), which would be slower than fp32 there
-    bf16 = on_gpu and bf16_native("cuda")
-    precision = ts.precision
-    if precision == "auto":
-        precision = "bf16-mixed" if bf16 else "32-true"
-    elif on_gpu and precision.startswith("bf16") and not bf16:
-        raise ValueError(f"{key}.precision is {precision!r} but this GPU "
-                         f"({torch.cuda.get_device_name()}) has no bf16; use 16-mixed or 32-true")
-    accelerator = "gpu" if on_gpu else ("cpu" if ts.accelerator == "auto" else ts.accelerator)
-    return {"accelerator": accelerator, "devices": ts.devices, "precision": precision,
-            "strategy": ts.strategy}
 
 
 def trainer_flags(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
