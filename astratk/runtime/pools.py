@@ -291,7 +291,7 @@ class PoolCluster(SpecCluster):
     def _check_restart(self, name: str, address: str, nanny: Nanny, waited: int, delay: float) -> None:
         back = any(w.get("name") == name for w in self.scheduler_info.get("workers", {}).values())
         if (back or self._lost.get(name) != address or self.status in (Status.closing, Status.closed)
-                or self.workers.get(name) is not nanny):
+                or self.workers.get(name) is not nanny or name not in self.worker_spec):  # scaled away meanwhile
             return
         restarting = (nanny.status == Status.running and nanny.process is not None
                       and nanny.process.status in (Status.starting, Status.stopped, Status.init))
