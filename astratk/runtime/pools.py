@@ -39,8 +39,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,15 +52,15 @@ from distributed.utils import NoOpAwaitable
 from astratk.gpu import cuda_visible_devices, rollout_gpus
 from astratk.rollout.hardware import SimulatedHardware, worker_hardware
 from astratk.runtime.no_http import NoHTTPScheduler, NoHTTPWorker
+from astratk.runtime.worker_start import THREAD_ENV, WORKER_MODULE, EnvNanny, resolve_start_method
 from astratk.spec import SCORE_LABEL, WorkerClass
 
 if TYPE_CHECKING:
     from astratk.spec import RunSpec
 
-__all__ = ["NoHTTPScheduler", "NoHTTPWorker", "PoolCluster", "SimulatedHardware", "WorkerClass", "pool_classes",
-           "rollout_labels", "start_pool_cluster", "worker_hardware", "worker_specs"]
+__all__ = ["THREAD_ENV", "EnvNanny", "NoHTTPScheduler", "NoHTTPWorker", "PoolCluster", "SimulatedHardware",
+           "WorkerClass", "pool_classes", "rollout_labels", "start_pool_cluster", "worker_hardware", "worker_specs"]
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 ALLOCATOR_ENV = ("MALLOC_TRIM_THRESHOLD_",)  # Dask's pre-spawn allocator setting, left out (start_pool_cluster)
 CONTROL = "control"
 ROLLOUT_MODULE = "astratk.rollout.tasks"  # what a pool's worker imports as it starts (Dask's worker `preload`)
@@ -91,109 +89,52 @@ def worker_gpus(spec: RunSpec) -> list[str]:
 
 
 def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int,
-                dashboard: bool = False) -> dict[str, Any]:
+                dashboard: bool = False, start: str = "spawn") -> dict[str, Any]:
     resources = dict(labels if wc.resources is None else wc.resources)
     # A pool's worker imports the rollout tasks' modules (the engines, torch, transformers: ~4 s of CPU here) as it
     # starts, while the cluster comes up, not on the clock of the run's first task; the control worker never needs them
     preload = [*(dask.config.get("distributed.worker.preload", default=None) or []), ROLLOUT_MODULE]
     options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": wc.nthreads or nthreads, "resources": resources,
                                "plugins": [SimulatedHardware(wc.name, wc.slowdown)], "preload": preload}
-    return _worker_spec(options, processes, dashboard)
+    return _worker_spec(options, processes, dashboard, start)
 
 
-def _control_spec(processes: bool, dashboard: bool = False) -> dict[str, Any]:
-    return _worker_spec({"host": "127.0.0.1", "nthreads": 1, "resources": {CONTROL: 1}}, processes, dashboard)
+def _control_spec(processes: bool, dashboard: bool = False, start: str = "spawn") -> dict[str, Any]:
+    preload = list(dask.config.get("distributed.worker.preload", default=None) or [])
+    return _worker_spec({"host": "127.0.0.1", "nthreads": 1, "resources": {CONTROL: 1}, "preload": preload},
+                        processes, dashboard, start)
 
 
-def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool) -> dict[str, Any]:
-    """A worker in its own process (a nanny starts it, and restarts it if it dies) or in this one; without the
-    dashboard, one that opens no HTTP port."""
+def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool, start: str) -> dict[str, Any]:
+    """A worker in its own process (a nanny starts it, forked or spawned by `start`, and restarts it if it dies) or
+    in this one; without the dashboard, one that opens no HTTP port."""
     worker = Worker if dashboard else NoHTTPWorker
     if not processes:
         return {"cls": worker, "options": options}
+    # first: a forked worker's torch threads, before the rollout module's preload can use torch
+    options = {**options, "preload": [WORKER_MODULE, *options["preload"]]}
     # worker INFO lines would drown the run's progress; the nanny builds `worker_class` in the worker's process
-    return {"cls": EnvNanny, "options": {**options, "silence_logs": logging.WARNING, "worker_class": worker}}
+    return {"cls": EnvNanny, "options": {**options, "silence_logs": logging.WARNING, "worker_class": worker,
+                                         "start_method": start}}
 
 
 # lost-worker timeouts (distributed.deploy.lost-worker-timeout, 15 s by default) a nanny may spend restarting a killed
 # worker before the cluster closes it and starts the worker afresh (PoolCluster._check_restart)
 RESTART_PATIENCE = 10
 
-_env_lock = threading.Lock()
-_env_starts = 0  # nanny starts in flight in this process that have not spawned their worker yet
-_env_saved: dict[str, str | None] = {}  # the process's own values of the keys they overwrote
-
-
-def _env_enter(keys: Sequence[str]) -> None:
-    global _env_starts
-    with _env_lock:
-        _env_starts += 1
-        for key in keys:
-            _env_saved.setdefault(key, os.environ.get(key))
-
-
-def _env_leave() -> None:
-    """One start has spawned its process (or failed to): the last one in flight restores the saved values."""
-    global _env_starts
-    with _env_lock:
-        _env_starts -= 1
-        if _env_starts == 0:
-            for key, value in _env_saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            _env_saved.clear()
-
-
-class EnvNanny(Nanny):
-    """A Nanny that gives this process its environment back. Dask's nanny writes its `pre-spawn-environ`
-    (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_, PYTHONHASHSEED, ...) into `os.environ` before it
-    spawns a worker and never restores it, so everything the user's process starts afterwards (a second training
-    process, a baseline in a subprocess) would run on one OpenMP thread: measured here as 0.22 against 0.44
-    optimizer steps/s for a torch training subprocess set to 2 threads.
-
-    The values are restored as soon as the worker's process exists (its pid is known: the spawn has copied the
-    environment), not when the worker has connected seconds later, so the window in which a subprocess of the user's
-    could inherit them is the spawn itself. A spawn reads the environment in a thread, so one start's restore waits
-    for every other start still spawning. Nanny restarts of a killed worker go through here too."""
-
-    async def instantiate(self) -> Any:
-        _env_enter(list(self.pre_spawn_env))
-        left = False
-
-        def leave() -> None:
-            nonlocal left
-            if not left:
-                left = True
-                _env_leave()
-
-        async def leave_once_spawned() -> None:
-            while True:  # WorkerProcess.process is the AsyncProcess; its pid is set right after the spawn
-                proc = getattr(self.process, "process", None)
-                if proc is not None and proc.pid is not None:
-                    return leave()
-                await asyncio.sleep(0.005)
-
-        watcher = asyncio.ensure_future(leave_once_spawned())
-        try:
-            return await super().instantiate()
-        finally:
-            watcher.cancel()
-            leave()
-
 
 def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
     """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
     class of the run's pool."""
     labels = rollout_labels([p.policy_id for p in spec.policies])
-    workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard)}
+    start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
+    workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard, start)}
     gpus = worker_gpus(spec)
     for wc in pool_classes(spec):
         for i in range(wc.count):
             workers[f"{wc.name}-{i}"] = spec_i = _class_spec(wc, labels, processes=processes,
                                                              nthreads=spec.cluster.threads_per_worker,
-                                                             dashboard=spec.cluster.dashboard)
+                                                             dashboard=spec.cluster.dashboard, start=start)
             if gpus:  # the nanny sets it in the worker's process before torch can initialise CUDA
                 spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": gpus[i]}
     return workers
@@ -216,8 +157,9 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
     if elastic is None and spec.cluster.autoscale is not None:
         elastic = spec.cluster.autoscale.pool
     elastic = elastic or _default_elastic(classes, labels)
+    start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
     templates = {wc.name: _class_spec(wc, labels, processes=processes, nthreads=spec.cluster.threads_per_worker,
-                                      dashboard=spec.cluster.dashboard)
+                                      dashboard=spec.cluster.dashboard, start=start)
                  for wc in classes}
     pre_spawn = dict(dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {})
     from astratk.cpu import run_threads
@@ -248,7 +190,9 @@ class PoolCluster(SpecCluster):
         self.elastic = elastic
         self.worker_class = {name: CONTROL if name == CONTROL else name.rsplit("-", 1)[0] for name in workers}
         self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
-        self._pre_spawn = pre_spawn_environ
+        self._pre_spawn = pre_spawn_environ  # every nanny's (thread counts): updated in place for a kept cluster
+        for s in (*workers.values(), *templates.values()):
+            self._own_pre_spawn(s)
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
         self.gpus = gpus or {}
         self._lost: dict[str, str] = {}  # worker name -> address of its last process that left the scheduler
@@ -261,13 +205,11 @@ class PoolCluster(SpecCluster):
         super().__init__(workers=workers, scheduler=scheduler, worker=templates[elastic], name="astratk",
                          silence_logs=logging.WARNING)
 
-    async def _correct_state_internal(self) -> None:
-        """Start/stop workers to match the spec. A Nanny reads `pre-spawn-environ` (thread counts must be set before a
-        worker imports numpy/torch) when it is *created*, so it is set around every creation, not only the first."""
-        if self._pre_spawn is None:
-            return await super()._correct_state_internal()
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": self._pre_spawn}):
-            return await super()._correct_state_internal()
+    def _own_pre_spawn(self, worker_spec: dict[str, Any]) -> None:
+        """A nanny reads `pre-spawn-environ` (thread counts must be set before a worker imports numpy/torch) when it
+        is created: each gets the cluster's own, not the global config's."""
+        if self._pre_spawn is not None and worker_spec["cls"] is EnvNanny:
+            worker_spec["options"]["pre_spawn_environ"] = self._pre_spawn
 
     def _update_worker_status(self, op: str, msg: Any) -> None:
         """A worker left the scheduler. SpecCluster closes its nanny for good when no worker of that name is back
@@ -352,6 +294,7 @@ class PoolCluster(SpecCluster):
                 free = next(g for g in self.gpus[c] if g not in used)
                 self.worker_spec[name] = spec_i = copy.deepcopy(self.templates[c])
                 spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": free}
+                self._own_pre_spawn(spec_i)  # the cluster's dict itself, not the deep copy
             self.worker_class[name] = c
         self.loop.add_callback(self._correct_state)
         return NoOpAwaitable() if self.asynchronous else None

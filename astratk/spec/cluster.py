@@ -134,6 +134,11 @@ class ClusterSpec(Section):
     """serve Dask's dashboard (local clusters)"""
     startup_timeout_s: float = 120.0
     """longest wait for the cluster's workers to start (the error then names the missing ones)"""
+    worker_start: str = "auto"
+    """how a local cluster's worker processes start: forkserver (forked from a server process that imported torch and
+    transformers once: a worker, a restart or an added worker starts in under a second instead of about four), spawn
+    (Dask's default: each imports them itself), or auto: forkserver on Linux where torch sees no GPU, else spawn
+    (`astratk.runtime.worker_start`)"""
     keep_warm_s: float = 300.0
     """after a run, its local cluster (worker processes, no autoscale) stays up this long for the next run in the same
     process with the same workers, which then starts in about a second instead of four or more (a notebook rerunning a
@@ -154,6 +159,9 @@ class ClusterSpec(Section):
         if isinstance(k, bool) or not isinstance(k, int | float) or not k >= 0 or k == float("inf"):
             raise ValueError(f"{key}.keep_warm_s must be a number of seconds >= 0 (0: close the local cluster at the "
                              f"run's end), got {k!r}")
+        if self.worker_start not in ("auto", "forkserver", "spawn"):
+            raise ValueError(f"{key}.worker_start: unknown {self.worker_start!r}; choose one of ['auto', "
+                             "'forkserver', 'spawn']")
         t = self.torch_threads
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{key}.torch_threads must be auto or an integer >= 1, got {t!r}")

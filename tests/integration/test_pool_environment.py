@@ -98,3 +98,47 @@ def test_parent_environment_is_back_while_the_worker_is_still_starting(monkeypat
     assert during is None  # the parent got its value back while the worker was still starting
     assert in_worker == "3", in_worker  # ... and the worker got the nanny's value
 
+
+
+def _start_info() -> tuple[int, int, str | None]:
+    import torch
+
+    return os.getppid(), torch.get_num_threads(), os.environ.get("ASTRATK_TEST_LATE")
+
+
+def test_forked_workers_see_what_spawned_ones_would(monkeypatch, caplog):
+    """`cluster.worker_start: forkserver`: workers are forks of one server process (not children of this one), with
+    the run's torch threads (the server imported torch on one), this process's environment as of each worker's start
+    (a variable set after the server started reaches the next worker), and a worker is spawned instead when a
+    variable the preloaded libraries read at import changed since the server started."""
+    from distributed import Client
+
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    spec = RunSpec(cluster=ClusterSpec(rollout_workers=1, torch_threads=2, worker_start="forkserver")).validate()
+    monkeypatch.setenv("ASTRATK_TEST_LATE", "before")
+    cluster = start_pool_cluster(spec)
+    try:
+        with Client(cluster) as client:
+            client.wait_for_workers(2, timeout=90)
+            first = client.run(_start_info)
+            parents = {ppid for ppid, _, _ in first.values()}
+            assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), first)  # forks of one server
+            assert {t for _, t, _ in first.values()} == {2}, first
+            assert {v for _, _, v in first.values()} == {"before"}, first
+
+            monkeypatch.setenv("ASTRATK_TEST_LATE", "after")
+            cluster.scale_pool(2)
+            client.wait_for_workers(3, timeout=90)
+            added = {a: v for a, v in client.run(_start_info).items() if a not in first}
+            assert [(p, t, v) for p, t, v in added.values()] == [(*parents, 2, "after")], added
+
+            monkeypatch.setenv("HF_ASTRATK_TEST", "1")  # an HF_* variable: read by huggingface_hub at import
+            with caplog.at_level("WARNING", logger="astratk.runtime.worker_start"):
+                cluster.scale_pool(3)
+                client.wait_for_workers(4, timeout=90)
+            spawned = {a: v for a, v in client.run(_start_info).items() if a not in first and a not in added}
+            assert [(p, t) for p, t, _ in spawned.values()] == [(os.getpid(), 2)], spawned  # this process's child
+            assert "HF_ASTRATK_TEST changed since this process's fork server started" in caplog.text
+    finally:
+        cluster.close()

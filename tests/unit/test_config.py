@@ -1,5 +1,6 @@
 """The RunSpec schema through jsonargparse: short names, overrides, and bad values failing at start with the fix."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from astratk.cli import main
 from astratk.config import dump_spec, load_spec, parse
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.losses.drpo import DRPO
-from astratk.spec import PolicySpec, RunSpec
+from astratk.spec import ClusterSpec, PolicySpec, RunSpec
 
 QUICKSTART = Path(__file__).parents[2] / "tutorials" / "quickstart.yaml"
 
@@ -102,3 +103,17 @@ def test_publish_dtype_must_match_the_engines():
         RunSpec(weights=WeightsSpec(publish_dtype="bfloat16", full_every=10)).validate()
     RunSpec(weights=WeightsSpec(publish_dtype="bfloat16", full_every=10),
             rollout=RolloutSpec(engine_args={"dtype": "bfloat16"})).validate()
+
+
+def test_worker_start_is_checked_and_resolved():
+    from astratk.runtime.worker_start import resolve_start_method
+
+    with pytest.raises(ValueError, match=r"cluster.worker_start: unknown 'fork'; choose one of \['auto', 'forkserver'"):
+        RunSpec(cluster=ClusterSpec(worker_start="fork")).validate()
+    with pytest.raises(ValueError, match="unknown 'fork'"):
+        resolve_start_method("fork")
+    assert resolve_start_method("spawn") == "spawn"
+    import torch
+
+    expected = "forkserver" if sys.platform.startswith("linux") and not torch.cuda.is_available() else "spawn"
+    assert resolve_start_method("auto") == expected
