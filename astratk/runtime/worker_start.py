@@ -13,8 +13,8 @@ What a forked worker shares with a spawned one, and what it does not:
 - Its environment is this process's at the moment the worker starts (the nanny passes it whole), with the nanny's
   values on top (thread counts, CUDA_VISIBLE_DEVICES), as a spawned worker's is; torch's thread count is set from it as
   the worker starts (`dask_setup`, a worker preload).
-- The preloaded libraries read some variables once, when imported (HF_HUB_OFFLINE, HF_HOME, TORCH_*, OMP_* and the
-  like: `IMPORT_TIME_ENV`). When one of them differs from the fork server's, the worker is spawned instead (logged
+- The preloaded libraries read some variables once, when imported (HF_HUB_OFFLINE, HF_HOME, TORCH_LOGS, OMP_* and
+  the like: `IMPORT_TIME_ENV`). When one of them differs from the fork server's, the worker is spawned instead (logged
   once per variable), so that it sees the value it was started with.
 - Your own code (reward functions, envs, astratk itself) is never preloaded: every worker imports it fresh, as a
   spawned one does, so edits reach the next worker.
@@ -52,12 +52,14 @@ START_METHODS = ("auto", "forkserver", "spawn")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 PRELOAD_MODULE = "astratk.runtime.forkserver_preload"  # what the fork server imports
 WORKER_MODULE = "astratk.runtime.worker_start"  # every pool worker's preload: `dask_setup` sets torch's threads
-# Variables the preloaded libraries (and the interpreter, glibc) read once, at start or import. A worker forked from a
-# server started with other values would silently keep the server's; thread counts are left out: each worker sets its
-# own (`dask_setup`).
-IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "KMP_", "MKL_",
-                   "OMP_", "OPENBLAS_", "GOMP_", "DNNL_", "ONEDNN_", "TOKENIZERS_", "XDG_CACHE_HOME",
-                   "PYTHONHASHSEED", "MALLOC_", "LD_PRELOAD")
+# Variables that the fork server's libraries (and the interpreter, glibc) read once, when imported or started, and a
+# user may set in the notebook: huggingface_hub's and transformers' cache, offline and endpoint settings, torch's
+# logging, libgomp's settings, the hash seed, the allocator. A worker forked from a server started with other values
+# would keep the server's. Left out on purpose: thread counts (each worker sets its own: `dask_setup`),
+# CUDA_VISIBLE_DEVICES and the like (read when CUDA starts, in the worker), and what libraries set in this process
+# as they load (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK and KMP_*, TORCHINDUCTOR_*: read later, or not by these).
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "OMP_", "GOMP_", "USE_TORCH", "USE_TF",
+                   "XDG_CACHE_HOME", "PYTHONHASHSEED", "MALLOC_", "LD_PRELOAD")
 
 _method: contextvars.ContextVar[str | None] = contextvars.ContextVar("astratk_worker_start", default=None)
 _lock = threading.Lock()

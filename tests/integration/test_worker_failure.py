@@ -83,7 +83,8 @@ def test_a_slow_restart_keeps_the_worker_and_a_failed_one_starts_it_afresh(monke
     from astratk.spec import ClusterSpec, RunSpec
 
     monkeypatch.setattr(pools, "RESTART_PATIENCE", 10_000)
-    spec = RunSpec(cluster=ClusterSpec(rollout_workers=1)).validate()
+    # spawned: a worker forked from the fork server can be back within 0.2 s
+    spec = RunSpec(cluster=ClusterSpec(rollout_workers=1, worker_start="spawn")).validate()
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}):
         cluster = pools.start_pool_cluster(spec)
         try:
