@@ -138,13 +138,16 @@ class Run:
 
     def _run(self, serve_as: str | None = None) -> RunResult:
         from astratk.runtime.checks import check_gpu_memory, check_output_dir
-        from astratk.runtime.session import Session
 
         spec = self.spec
         started = time.time()
         check_output_dir(spec)  # before anything is written: an output_dir that is a file or read-only
         models = self._resolve_models()  # a bad Hub id or model directory leaves nothing behind, likewise
         check_gpu_memory(spec, trainers_here=serve_as is None)  # shares of a GPU that cannot fit, likewise
+        # the session loads Lightning, the engines and Dask's cluster (~3 s): after the checks, so that a bad Hub id
+        # or output_dir answers at once
+        from astratk.runtime.session import Session
+
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(spec.output_dir).expanduser().resolve() / f"{spec.name}-{stamp}-{uuid.uuid4().hex[:4]}"
         made = _make_dirs(run_dir)

@@ -57,9 +57,11 @@ WORKER_MODULE = "astratk.runtime.worker_start"  # every pool worker's preload: `
 # logging, libgomp's settings, the hash seed, the allocator. A worker forked from a server started with other values
 # would keep the server's. Left out on purpose: thread counts (each worker sets its own: `dask_setup`),
 # CUDA_VISIBLE_DEVICES and the like (read when CUDA starts, in the worker), and what libraries set in this process
-# as they load (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK and KMP_*, TORCHINDUCTOR_*: read later, or not by these).
+# as they load (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK and KMP_*, TORCHINDUCTOR_*: read later, or not by these),
+# and glibc's MALLOC_*: a plain Dask nanny leaves MALLOC_TRIM_THRESHOLD_ in this process's environment, which the pool
+# keeps out of its workers on purpose (`astratk.runtime.pools.ALLOCATOR_ENV`); a fork keeps the server's defaults.
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_", "OMP_", "GOMP_", "USE_TORCH", "USE_TF",
-                   "XDG_CACHE_HOME", "PYTHONHASHSEED", "MALLOC_", "LD_PRELOAD")
+                   "XDG_CACHE_HOME", "PYTHONHASHSEED", "LD_PRELOAD")
 
 _method: contextvars.ContextVar[str | None] = contextvars.ContextVar("astratk_worker_start", default=None)
 _lock = threading.Lock()
@@ -127,9 +129,12 @@ def _ensure_server(pre_spawn_env: Mapping[str, str]) -> dict[str, str] | None:
 
 
 def _log_once(key: str, message: str, *args: Any) -> None:
+    """A warning the first time, a debug line every time after: why this worker is spawned."""
     if key not in _logged:
         _logged.add(key)
         log.warning(message, *args)
+    else:
+        log.debug(message, *args)
 
 
 def choose(method: str, pre_spawn_env: Mapping[str, str]) -> str:
@@ -138,6 +143,7 @@ def choose(method: str, pre_spawn_env: Mapping[str, str]) -> str:
     if method != "forkserver":
         return method
     if not _hook():
+        log.debug("distributed.nanny.get_mp_context could not be wrapped: spawned")
         return "spawn"
     server_env = _ensure_server(pre_spawn_env)
     if server_env is None:

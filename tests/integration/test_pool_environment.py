@@ -100,49 +100,62 @@ def test_parent_environment_is_back_while_the_worker_is_still_starting(monkeypat
 
 
 
-def _start_info() -> tuple[int, int, str | None]:
-    import torch
+FORK_SCRIPT = """
+import json, logging, os, sys
+from distributed import Client
+from astratk.runtime.pools import start_pool_cluster
+from astratk.spec import ClusterSpec, RunSpec
 
+def info():
+    import torch
     return os.getppid(), torch.get_num_threads(), os.environ.get("ASTRATK_TEST_LATE")
 
-
-def test_forked_workers_see_what_spawned_ones_would(monkeypatch, caplog):
-    """`cluster.worker_start: forkserver`: workers are forks of one server process (not children of this one), with
-    the run's torch threads (the server imported torch on one), this process's environment as of each worker's start
-    (a variable set after the server started reaches the next worker), and a worker is spawned instead when a
-    variable the preloaded libraries read at import changed since the server started."""
-    from distributed import Client
-
-    for key in KEYS:
-        monkeypatch.delenv(key, raising=False)
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ["ASTRATK_TEST_LATE"] = "before"
     spec = RunSpec(cluster=ClusterSpec(rollout_workers=1, torch_threads=2, worker_start="forkserver")).validate()
-    monkeypatch.setenv("ASTRATK_TEST_LATE", "before")
-    caplog.set_level("WARNING", logger="astratk.runtime.worker_start")
     cluster = start_pool_cluster(spec)
-    try:
-        with Client(cluster) as client:
-            client.wait_for_workers(2, timeout=90)
-            first = client.run(_start_info)
-            parents = {ppid for ppid, _, _ in first.values()}
-            # forks of one server, not this process's children
-            assert len(parents) == 1 and os.getpid() not in parents, (os.getpid(), first, caplog.text)
-            assert {t for _, t, _ in first.values()} == {2}, first
-            assert {v for _, _, v in first.values()} == {"before"}, first
+    out = {"me": os.getpid()}
+    with Client(cluster) as client:
+        client.wait_for_workers(2, timeout=90)
+        out["first"] = first = client.run(info)
+        os.environ["ASTRATK_TEST_LATE"] = "after"
+        # what Lightning sets as it loads: read later (or never) by the server's libraries, so still a fork
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"], os.environ["KMP_INIT_AT_FORK"] = "1", "FALSE"
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"  # what a plain Dask nanny leaves in os.environ
+        cluster.scale_pool(2)
+        client.wait_for_workers(3, timeout=90)
+        out["added"] = added = {a: v for a, v in client.run(info).items() if a not in first}
+        os.environ["HF_ASTRATK_TEST"] = "1"  # an HF_* variable: huggingface_hub reads those at import
+        cluster.scale_pool(3)
+        client.wait_for_workers(4, timeout=90)
+        out["spawned"] = {a: v for a, v in client.run(info).items() if a not in first and a not in added}
+    cluster.close()
+    print(json.dumps(out))
+"""
 
-            monkeypatch.setenv("ASTRATK_TEST_LATE", "after")
-            # what Lightning sets as it loads: read later (or never) by the server's libraries, so still a fork
-            monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-            monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")
-            cluster.scale_pool(2)
-            client.wait_for_workers(3, timeout=90)
-            added = {a: v for a, v in client.run(_start_info).items() if a not in first}
-            assert [(p, t, v) for p, t, v in added.values()] == [(*parents, 2, "after")], added
 
-            monkeypatch.setenv("HF_ASTRATK_TEST", "1")  # an HF_* variable: read by huggingface_hub at import
-            cluster.scale_pool(3)
-            client.wait_for_workers(4, timeout=90)
-            spawned = {a: v for a, v in client.run(_start_info).items() if a not in first and a not in added}
-            assert [(p, t) for p, t, _ in spawned.values()] == [(os.getpid(), 2)], spawned  # this process's child
-            assert "HF_ASTRATK_TEST changed since this process's fork server started" in caplog.text
-    finally:
-        cluster.close()
+def test_forked_workers_see_what_spawned_ones_would(tmp_path):
+    """`cluster.worker_start: forkserver`: workers are forks of one server process (not children of the process that
+    started the cluster), with the run's torch threads (the server imported torch on one), that process's environment
+    as of each worker's start (a variable set after the server started reaches the next worker), and a worker is
+    spawned instead when a variable the preloaded libraries read at import changed since the server started. In a
+    fresh process: this one's fork server is shared with every other test here, environment and all."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_check.py"
+    script.write_text(FORK_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in KEYS and not k.startswith("HF_ASTRATK")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, added, spawned = out["first"], out["added"], out["spawned"]
+    parents = {ppid for ppid, _, _ in first.values()}
+    assert len(parents) == 1 and out["me"] not in parents, (out, proc.stderr[-3000:])  # forks of one server
+    assert {t for _, t, _ in first.values()} == {2} and {v for _, _, v in first.values()} == {"before"}, out
+    assert [tuple(v) for v in added.values()] == [(*parents, 2, "after")], (out, proc.stderr[-3000:])
+    assert [tuple(v) for v in spawned.values()] == [(out["me"], 2, "after")], out  # the process's own child
+    assert "HF_ASTRATK_TEST changed since this process's fork server started" in proc.stderr

@@ -107,7 +107,11 @@ def test_a_slow_restart_keeps_the_worker_and_a_failed_one_starts_it_afresh(monke
                 with caplog.at_level("WARNING", logger="astratk.runtime.pools"):
                     os.kill(pid, signal.SIGKILL)
                     _back(client, "rollout-0", pid)
-                assert cluster.workers["rollout-0"] is not nanny
+                # the cluster files its new nanny once the worker has joined the scheduler: a fork joins at once
+                deadline = time.monotonic() + 30
+                while cluster.workers.get("rollout-0") in (None, nanny):
+                    assert time.monotonic() < deadline, "timed out after 30 s waiting for rollout-0's new nanny"
+                    time.sleep(0.1)
                 assert "did not come back" in caplog.text and "starting it afresh" in caplog.text
                 assert set(cluster.workers) == {"control", "rollout-0"}
         finally:
