@@ -123,11 +123,13 @@ def _worker_spec(options: dict[str, Any], processes: bool, dashboard: bool, star
 RESTART_PATIENCE = 10
 
 
-def worker_specs(spec: RunSpec, processes: bool = True) -> dict[str, dict[str, Any]]:
+def worker_specs(spec: RunSpec, processes: bool = True,
+                 start: str | None = None) -> dict[str, dict[str, Any]]:
     """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
-    class of the run's pool."""
+    class of the run's pool. `start`: how their processes start (default: `cluster.worker_start` resolved here)."""
     labels = rollout_labels([p.policy_id for p in spec.policies])
-    start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
+    if start is None:
+        start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
     workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard, start)}
     gpus = worker_gpus(spec)
     for wc in pool_classes(spec):
@@ -172,7 +174,7 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
     for key in ALLOCATOR_ENV:
         pre_spawn.pop(key, None)
     gpus = worker_gpus(spec)
-    return PoolCluster(worker_specs(spec, processes), templates, elastic, dashboard=spec.cluster.dashboard,
+    return PoolCluster(worker_specs(spec, processes, start), templates, elastic, dashboard=spec.cluster.dashboard,
                        pre_spawn_environ=pre_spawn, gpus={"rollout": gpus} if gpus else None)
 
 
@@ -192,7 +194,7 @@ class PoolCluster(SpecCluster):
         self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
         self._pre_spawn = pre_spawn_environ  # every nanny's (thread counts): updated in place for a kept cluster
         for s in (*workers.values(), *templates.values()):
-            self._own_pre_spawn(s)
+            self._share_pre_spawn(s)
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
         self.gpus = gpus or {}
         self._lost: dict[str, str] = {}  # worker name -> address of its last process that left the scheduler
@@ -205,7 +207,7 @@ class PoolCluster(SpecCluster):
         super().__init__(workers=workers, scheduler=scheduler, worker=templates[elastic], name="astratk",
                          silence_logs=logging.WARNING)
 
-    def _own_pre_spawn(self, worker_spec: dict[str, Any]) -> None:
+    def _share_pre_spawn(self, worker_spec: dict[str, Any]) -> None:
         """A nanny reads `pre-spawn-environ` (thread counts must be set before a worker imports numpy/torch) when it
         is created: each gets the cluster's own, not the global config's."""
         if self._pre_spawn is not None and worker_spec["cls"] is EnvNanny:
@@ -294,7 +296,7 @@ class PoolCluster(SpecCluster):
                 free = next(g for g in self.gpus[c] if g not in used)
                 self.worker_spec[name] = spec_i = copy.deepcopy(self.templates[c])
                 spec_i["options"]["env"] = {"CUDA_VISIBLE_DEVICES": free}
-                self._own_pre_spawn(spec_i)  # the cluster's dict itself, not the deep copy
+                self._share_pre_spawn(spec_i)  # the cluster's dict itself, not the deep copy
             self.worker_class[name] = c
         self.loop.add_callback(self._correct_state)
         return NoOpAwaitable() if self.asynchronous else None

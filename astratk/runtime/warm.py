@@ -2,7 +2,8 @@
 starts on it.
 
 Starting the local cluster is most of a small run's overhead: its worker processes import torch, transformers and
-astratk (about 4 s here on 2 cores when spawned; see `astratk.runtime.worker_start`), and closing it takes another 1.5 s (the processes tear those modules down).
+astratk (about 4 s here on 2 cores when spawned; see `astratk.runtime.worker_start`), and closing it takes another
+1.5 s (the processes tear those modules down).
 Measured on this project's 2-core machine, a 6-step tiny-model run took 6.5-7.3 s on a cluster of its own and
 1.0-2.1 s on a kept one. Notebooks that rerun a cell, sweeps, benchmark grids and test suites run many runs in one
 process; with `cluster.keep_warm_s` (default 300) each reuses the cluster the previous one left.

@@ -46,9 +46,10 @@ import distributed.process
 import distributed.utils
 from distributed import Nanny
 
+from astratk.spec.cluster import WORKER_STARTS
+
 log = logging.getLogger(__name__)
 
-START_METHODS = ("auto", "forkserver", "spawn")
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 PRELOAD_MODULE = "astratk.runtime.forkserver_preload"  # what the fork server imports
 WORKER_MODULE = "astratk.runtime.worker_start"  # every pool worker's preload: `dask_setup` sets torch's threads
@@ -72,8 +73,8 @@ _logged: set[str] = set()
 
 def resolve_start_method(method: str, key: str = "cluster.worker_start") -> str:
     """`forkserver` or `spawn` for `cluster.worker_start`: `auto` is `forkserver` on Linux where torch sees no GPU."""
-    if method not in START_METHODS:
-        raise ValueError(f"{key}: unknown {method!r}; choose one of {list(START_METHODS)}")
+    if method not in WORKER_STARTS:
+        raise ValueError(f"{key}: unknown {method!r}; choose one of {list(WORKER_STARTS)}")
     available = "forkserver" in multiprocessing.get_all_start_methods()
     if method == "auto":
         if not (available and sys.platform.startswith("linux")):

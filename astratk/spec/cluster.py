@@ -106,6 +106,9 @@ class TLSSpec(Section):
     """its private key; None: the key is appended to `cert`"""
 
 
+WORKER_STARTS = ("auto", "forkserver", "spawn")  # cluster.worker_start (astratk.runtime.worker_start)
+
+
 @dataclass
 class ClusterSpec(Section):
     SPEC_KEY = "cluster"
@@ -159,9 +162,8 @@ class ClusterSpec(Section):
         if isinstance(k, bool) or not isinstance(k, int | float) or not k >= 0 or k == float("inf"):
             raise ValueError(f"{key}.keep_warm_s must be a number of seconds >= 0 (0: close the local cluster at the "
                              f"run's end), got {k!r}")
-        if self.worker_start not in ("auto", "forkserver", "spawn"):
-            raise ValueError(f"{key}.worker_start: unknown {self.worker_start!r}; choose one of ['auto', "
-                             "'forkserver', 'spawn']")
+        if self.worker_start not in WORKER_STARTS:
+            raise ValueError(f"{key}.worker_start: unknown {self.worker_start!r}; choose one of {list(WORKER_STARTS)}")
         t = self.torch_threads
         if t != "auto" and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{key}.torch_threads must be auto or an integer >= 1, got {t!r}")
