@@ -30,7 +30,7 @@ the episode unscored (`reward_error`, `reward_timeout`). An episode in which the
 that role's opening prompt with no completion and no reward, so the data layer counts it as dropped.
 
 Per-trajectory metrics (in `metrics.nc` as `data/<policy>/traj/<role>/<name>_mean`): `calls`, `tool_calls`,
-`tool_call_errors` (malformed calls), `tokens_per_call`, `endpoint_latency_s`, `policy_tokens`, `env_tokens`,
+`tool_call_errors` (calls the parser cannot read: malformed JSON, no name, a tag never closed), `tokens_per_call`, `endpoint_latency_s`, `policy_tokens`, `env_tokens`,
 `reused_turns` (prompts that reused an earlier turn's tokens), `segments_dropped`, `tokens_dropped`, `agent_seconds`, `agent_error`, `agent_timeout`, `reward_error`,
 `reward_timeout`, `temperature_overridden` (calls that asked for another temperature than the run's: the run's wins,
 so the log-probs the trainer sees are those of the distribution it assumes).
@@ -61,6 +61,7 @@ from typing import Any
 from astratk.contracts import Engine, SamplingParams
 from astratk.envs.dataset import DatasetEnv
 from astratk.models.chat import encode_chat, parse_tool_calls
+from astratk.models.tools import check_tool_format
 from astratk.records import Task, Trajectory
 from astratk.registry import import_object
 from astratk.rollout.bounded import _abandon
@@ -156,6 +157,10 @@ class AgentEnv(DatasetEnv):
         error_reward: the reward of an episode whose agent raised or timed out (None: unscored, dropped, counted).
         model_name: the model name the endpoint serves (what the agent passes as `model`).
         host: the address the endpoint binds (127.0.0.1: this machine only; every request carries a random key).
+        tool_format: how the tools the agent sends reach the model (`astratk.models.tools`): "auto" (the model's
+            chat template where it renders tools, else the "hermes" fallback: tools in the system message,
+            `<tool_call>{json}</tool_call>` replies), "template" or "hermes" to force one. A run says at start which
+            one each policy's model gets.
     """
 
     multi_turn = True
@@ -164,7 +169,8 @@ class AgentEnv(DatasetEnv):
                  roles: Sequence[str] = ("policy",), eval_dataset: Any = None, heldout: float = 0.1,
                  system_prompt: str | None = None, demonstrations: Callable[..., Any] | str | None = None,
                  agent_timeout_s: float = 120.0, reward_timeout_s: float = 30.0, error_reward: float | None = 0.0,
-                 model_name: str = "policy", host: str = "127.0.0.1", seed: int = 0, name: str = "agent") -> None:
+                 model_name: str = "policy", host: str = "127.0.0.1", tool_format: str = "auto", seed: int = 0,
+                 name: str = "agent") -> None:
         self._agent = _import(agent, "agent") if isinstance(agent, str) else agent
         self._reward = _import(reward, "reward") if isinstance(reward, str) else reward
         for what, f in (("agent", self._agent), ("reward", self._reward)):
@@ -187,6 +193,7 @@ class AgentEnv(DatasetEnv):
         self.agent_timeout_s, self.reward_timeout_s = float(agent_timeout_s), float(reward_timeout_s)
         self.error_reward = None if error_reward is None else float(error_reward)
         self.model_name, self.host = model_name, host
+        self.tool_format = check_tool_format(tool_format, "AgentEnv(tool_format=...)")
         self._demos = (_import(demonstrations, "demonstrations") if isinstance(demonstrations, str)
                        and "." in demonstrations else demonstrations)
         self.demonstrations_spec = demonstrations if demonstrations is None or isinstance(demonstrations, str) else (
@@ -239,7 +246,7 @@ class AgentEnv(DatasetEnv):
         sessions = {role: f"{episode}-{i}" for i, role in enumerate(self.roles)}
         urls = {role: endpoint.open_session(sessions[role], engines[role], loop=loop, temperature=sampling.temperature,
                                             seed=sampling.seed, max_tokens=sampling.max_tokens,
-                                            top_k_logprobs=sampling.top_k_logprobs)
+                                            top_k_logprobs=sampling.top_k_logprobs, tool_format=self.tool_format)
                 for role in self.roles}
         row = self.row(task)
         first = self.roles[0]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from astratk.dataflow.drops import DropLedger
+from astratk.dataflow.learning_signal import agent_counts
 from astratk.dataflow.snapshots import same_keys
 from astratk.dataflow.stages.base import GroupFilter
 from astratk.records import Group, Task
@@ -85,6 +86,11 @@ class Admission:
                 k = f"{pid}/{t.role}/{name}"
                 self._traj_sums[k] += float(value)
                 self._traj_counts[k] += 1
+            agent = agent_counts(t.metrics)  # totals, so that a window's figures are differences of two readings
+            if agent is not None:
+                self.counts[key + "agent/episodes"] += 1
+                for name, value in agent.items():
+                    self.counts[key + f"agent/{name}"] += value
         if not scored:
             self.counts[key + "groups_dropped_empty"] += 1
             self.drops.add("admission", "empty", "groups", pid)

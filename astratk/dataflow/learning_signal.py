@@ -21,7 +21,95 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# What agent and multi-turn episodes report, read from the trajectories' metrics under the names envs give them
+# (the first name present counts; unparseable calls add up): AgentEnv's `calls` are its turns; the actions an env
+# cannot read are search's `invalid_actions`, DB's `format_errors` and household's `no_action_turns`.
+AGENT_METRICS: dict[str, tuple[str, ...]] = {
+    "tool_calls": ("tool_calls",),
+    "unparsed_calls": ("tool_call_errors", "invalid_actions", "format_errors", "no_action_turns"),
+    "turns": ("turns", "calls"),
+    "turn_limit": ("turn_limit", "turn_limit_hit"),
+    "context_limit": ("context_exhausted",),
+}
+
+
+def agent_counts(metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """One episode's agent figures (`AGENT_METRICS`), or None for an episode that is not an agent's (no tool calls
+    and no turns counted)."""
+    if not any(k in metrics for k in ("tool_calls", "turns", "calls")):
+        return None
+    out = {}
+    for name, keys in AGENT_METRICS.items():
+        present = [k for k in keys if k in metrics]
+        if name == "unparsed_calls":  # each its own kind of miss: added
+            out[name] = sum(float(metrics[k]) for k in present)
+        else:
+            out[name] = float(metrics[present[0]]) if present else 0.0
+    return out
+
+
+@dataclass(frozen=True)
+class AgentReading:
+    """Agent and multi-turn episodes of a window: totals over `episodes` (`AGENT_METRICS`), and whether the model's
+    prompt showed it its tools (None: not known, or an env whose tool protocol is plain text in its prompt)."""
+
+    episodes: int
+    tool_calls: float = 0.0
+    unparsed_calls: float = 0.0
+    turns: float = 0.0
+    turn_limit: float = 0.0
+    context_limit: float = 0.0
+    tools_shown: bool | None = None
+    tool_format: str | None = None
+
+    @classmethod
+    def of(cls, per_episode: list[dict[str, float]], tools_shown: bool | None = None,
+           tool_format: str | None = None) -> AgentReading | None:
+        """The reading of episodes' `agent_counts` (None when there are none)."""
+        if not per_episode:
+            return None
+        totals = {name: sum(e.get(name, 0.0) for e in per_episode) for name in AGENT_METRICS}
+        return cls(len(per_episode), **totals, tools_shown=tools_shown, tool_format=tool_format)
+
+    def per_episode(self, name: str) -> float:
+        return getattr(self, name) / self.episodes if self.episodes else 0.0
+
+    def line(self) -> str:
+        shown = ("" if self.tools_shown is None else
+                 f"; tools in the prompt: {'yes' if self.tools_shown else 'NO'}"
+                 + (f" ({self.tool_format})" if self.tool_format else ""))
+        return (f"agent: {self.episodes} episodes, {self.per_episode('tool_calls'):.2f} tool calls and "
+                f"{self.per_episode('unparsed_calls'):.2f} unparseable per episode, "
+                f"{self.per_episode('turns'):.1f} turns per episode; {self.per_episode('turn_limit'):.0%} ended at the "
+                f"turn limit, {self.per_episode('context_limit'):.0%} at the context limit{shown}")
+
+    def advice(self, max_new_tokens: int) -> list[str]:
+        """What to change for the agent's part, most likely first."""
+        out = []
+        if self.tools_shown is False:
+            out.append("the model never saw its tools: its chat template drops them and tool_format is 'template'; "
+                       "set the env's tool_format: auto (or hermes) so astratk writes them into the system message")
+        if self.episodes and self.tool_calls == 0:
+            tried = f" ({self.unparsed_calls:.0f} it could not parse)" if self.unparsed_calls else ""
+            out.append(f"the model made no tool call in {self.episodes} episodes{tried}: name the tools and show one "
+                       "call in "
+                       "the system prompt (a worked example), or start from a model trained on tool use; an env "
+                       "whose tasks need no tool gives the tools nothing to learn from")
+        attempted = self.tool_calls + self.unparsed_calls
+        if self.tool_calls and self.unparsed_calls / attempted >= 0.2:
+            out.append(f"{self.unparsed_calls:.0f} of {attempted:.0f} tool calls could not be parsed: show the call "
+                       f"format in the system prompt, and raise rollout.max_new_tokens (now {max_new_tokens}) if "
+                       "calls are cut off before </tool_call>")
+        if self.episodes and self.turn_limit / self.episodes >= 0.3:
+            out.append(f"{self.turn_limit / self.episodes:.0%} of episodes ran out of turns: raise the env's "
+                       "max_turns, or reward earlier answers")
+        if self.episodes and self.context_limit / self.episodes >= 0.3:
+            out.append(f"{self.context_limit / self.episodes:.0%} of episodes filled the context: a larger context "
+                       "budget (the env's max_context, the engine's max_model_len), or shorter tool outputs")
+        return out
 
 
 @dataclass(frozen=True)
@@ -35,6 +123,7 @@ class SignalReading:
     reward_mean: float | None = None  # mean reward of the scored samples
     unfinished: float | None = None  # share of samples that hit max_new_tokens
     greedy_accuracy: float | None = None  # held-out accuracy at greedy decoding, where known
+    agent: AgentReading | None = None  # tool calls, turns and endings of agent and multi-turn episodes
 
     @property
     def signal_share(self) -> float:
@@ -54,6 +143,8 @@ def advice(r: SignalReading, *, group_size: int, temperature: float, max_new_tok
     drops = dict(sorted(r.dropped.items(), key=lambda kv: -kv[1]))
     main = next(iter(drops), None)
     mean = r.reward_mean
+    if r.agent is not None:  # an agent that never calls its tools is the first thing to fix
+        out.extend(r.agent.advice(max_new_tokens))
     if main == "stale":
         out.append(f"raise dataflow.max_staleness (now {max_staleness}) or train faster than rollouts arrive "
                    "(trainer.groups_per_step, fewer rollout.max_inflight_chunks)")
@@ -96,6 +187,8 @@ def describe(r: SignalReading, *, group_size: int, temperature: float, max_new_t
         parts.append(f"mean reward {r.reward_mean:.3f}{greedy}")
     if r.unfinished is not None and r.unfinished > 0:
         parts.append(f"{r.unfinished:.0%} of samples hit max_new_tokens")
+    if r.agent is not None:
+        parts.append(r.agent.line())
     line = "; ".join(parts) + "."
     todo = advice(r, group_size=group_size, temperature=temperature, max_new_tokens=max_new_tokens,
                   max_staleness=max_staleness)

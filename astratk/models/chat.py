@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from astratk.models.tools import prepare_messages, resolve_tool_format
+
 __all__ = ["ChatTurns", "ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
 
 # Rendered prompts per tokenizer, most recent last. A group's samples start from the same messages, and rendering the
@@ -34,12 +36,15 @@ _cache: weakref.WeakKeyDictionary[Any, OrderedDict[Any, tuple[int, ...]]] = weak
 _lock = threading.Lock()
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-                ) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                tool_format: str = "auto") -> list[int]:
     """Render `messages` with the tokenizer's chat template (generation prompt added; `tools`, OpenAI-style function
-    definitions, passed to the template) and encode without adding special tokens again (the template already holds
+    definitions, shown to the model as `tool_format` says: the template where it renders them, else the `hermes`
+    fallback, `astratk.models.tools`) and encode without adding special tokens again (the template already holds
     them). Repeated conversations come from a per-tokenizer cache (the key is the template, the messages and the
     tools; what is not JSON is encoded every time)."""
+    if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        messages, tools = prepare_messages(messages, tools, resolve_tool_format(tokenizer, tool_format))
     key = _key(tokenizer, messages) if not tools else _key(tokenizer, [*messages, {"tools": json.dumps(
         tools, sort_keys=True, default=repr)}])
     if key is not None:
@@ -105,13 +110,23 @@ class ToolCall:
     error: str = ""
 
 
+_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON
-    or a missing name gives a `ToolCall` with `error` set, so the env can answer it instead of silently ignoring it."""
-    return [parse_tool_call(m.group(1)) for m in _TOOL_CALL.finditer(text)]
+    """Hermes/Qwen-style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order. Malformed JSON,
+    a missing name, or a `<tool_call>` tag never closed (a generation cut off mid-call) gives a `ToolCall` with
+    `error` set, so the env can count and answer it instead of silently treating it as text."""
+    calls, end = [], 0
+    for m in _TOOL_CALL.finditer(text):
+        calls.append(parse_tool_call(m.group(1)))
+        end = m.end()
+    tail = text.find(_OPEN, end)
+    if tail >= 0:
+        calls.append(ToolCall("", None, text[tail + len(_OPEN):].strip(), "a <tool_call> tag that is never closed "
+                              "(the generation ended mid-call: raise the token budget)"))
+    return calls
 
 
 def parse_tool_call(raw: str) -> ToolCall:

@@ -38,6 +38,7 @@ import torch
 
 from astratk.contracts import Env
 from astratk.models.chat import encode_chat, stop_token_ids
+from astratk.models.tools import prepare_messages, resolve_tool_format
 from astratk.records import Task
 from astratk.spec import TinyModelSpec
 
@@ -79,24 +80,27 @@ def _examples(tok, env: Env, task: Task) -> list[tuple[list[int], list[int]]]:
     each completion is the demonstration then <|im_end|>."""
     end = tok.convert_tokens_to_ids("<|im_end|>")
     out = []
+    tool_format = getattr(env, "tool_format", "auto")  # as the env's episodes show tools to the model
     for demo in env.demonstrations(task):  # (messages, text) or (messages, text, tools): an agent's tool definitions
         messages, text, tools = (*demo, None)[:3]
-        prompt = encode_chat(tok, messages, tools=tools)
+        prompt = encode_chat(tok, messages, tools=tools, tool_format=tool_format)
         if isinstance(text, dict):  # an assistant message (content, tool_calls): the chat template writes its text
-            out.append((prompt, rendered_turn(tok, messages, text, tools, prompt, env.name)))
+            out.append((prompt, rendered_turn(tok, messages, text, tools, prompt, env.name, tool_format)))
         else:
             out.append((prompt, tok(text, add_special_tokens=False)["input_ids"] + [end]))
     return out
 
 
 def rendered_turn(tok, messages: list[dict[str, Any]], message: dict[str, Any], tools: list[dict[str, Any]] | None,
-                  prompt: list[int], env_name: str = "env") -> list[int]:
+                  prompt: list[int], env_name: str = "env", tool_format: str = "auto") -> list[int]:
     """The completion ids of assistant `message` (its content and `tool_calls`) as the model's chat template renders
     it after `messages`, through its end-of-turn token: a demonstration of a tool call needs no hand-written
-    template text, and is right for whichever template (tiny ChatML, Qwen, ...) renders tool calls."""
-    extra = {"tools": list(tools)} if tools else {}
-    full = tok(tok.apply_chat_template([*messages, message], tokenize=False, **extra),
-               add_special_tokens=False)["input_ids"]
+    template text, and is right for whichever template (tiny ChatML, Qwen, ...) renders tool calls, or for the
+    `hermes` fallback where the template drops tools (`astratk.models.tools`)."""
+    fmt = resolve_tool_format(tok, tool_format)
+    chat, tools_for_template = prepare_messages([*messages, message], tools, fmt)
+    extra = {"tools": tools_for_template} if tools_for_template else {}
+    full = tok(tok.apply_chat_template(chat, tokenize=False, **extra), add_special_tokens=False)["input_ids"]
     stops = set(stop_token_ids(tok))
     ends = [i for i in range(len(prompt), len(full)) if full[i] in stops]
     if full[:len(prompt)] != list(prompt) or not ends:

@@ -4,9 +4,11 @@ Agents written against the OpenAI chat API (the `openai` client, LangGraph, smol
 `OpenAIEndpoint.base_url` as to any OpenAI server: `GET /v1/models` and `POST /v1/chat/completions` (`messages`,
 `n`, `temperature`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`, `logprobs` / `top_logprobs`, `tools`,
 `stream` / `stream_options`: Server-Sent Events as OpenAI streams them, `astratk.rollout.openai_stream`).
-The endpoint renders the messages with the model's own chat template (tools passed to it), generates with the
-engine, and answers in OpenAI's format, tool calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the
-generated text, Hermes/Qwen style) as `tool_calls`.
+The endpoint renders the messages with the model's own chat template, generates with the engine, and answers in
+OpenAI's format, tool calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` in the generated text,
+Hermes/Qwen style) as `tool_calls`. Tools go to the template where it renders them; where it drops them (SmolLM2's
+and many others' templates have no tool section) they are written into the system message in the `hermes` format
+that the parser reads back (`tool_format`, `astratk.models.tools`).
 
 What makes it a training tool: each call is captured **in token space**, per session: the prompt ids the engine was
 given, and per sample the completion ids, their log-probs under the distribution sampled and the weight version that
@@ -76,9 +78,10 @@ class OpenAIEndpoint(SessionCapture):
 
     def __init__(self, engine: Any = None, model: str = "astratk", *, host: str = "127.0.0.1", port: int = 0,
                  api_key: str | None = None, max_model_len: int | None = None, default_max_tokens: int = 256,
-                 keep_calls: int = 100_000, max_sessions: int = 10_000, max_inflight: int = 1024) -> None:
+                 keep_calls: int = 100_000, max_sessions: int = 10_000, max_inflight: int = 1024,
+                 tool_format: str = "auto") -> None:
         super().__init__(engine, model, max_model_len=max_model_len, default_max_tokens=default_max_tokens,
-                         keep_calls=keep_calls, max_sessions=max_sessions)
+                         keep_calls=keep_calls, max_sessions=max_sessions, tool_format=tool_format)
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.host, self.port = host, port
@@ -107,16 +110,17 @@ class OpenAIEndpoint(SessionCapture):
     # --------------------------------------------------------------------------------------------- sessions
     def open_session(self, session: str, engine: Any = None, *, loop: asyncio.AbstractEventLoop | None = None,
                      temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                     max_context: int | None = None, top_k_logprobs: int = 0) -> str:
+                     max_context: int | None = None, top_k_logprobs: int = 0, tool_format: str | None = None) -> str:
         """Serve `session` with `engine` (default: the endpoint's) on `loop`; returns its base URL. `temperature`
         overrides what requests ask for (counted in `session_stats`), `seed` seeds the k-th call with seed + 7919·k
         when a request sends none (the k-th call issued, concurrent ones included), `max_tokens` caps each call's new
         tokens and is the budget of a call that sends none, `max_context` caps its prompt + completion;
         `top_k_logprobs` are recorded for every token whatever a request asks (exactly that many: a trajectory's
-        rows must agree)."""
+        rows must agree); `tool_format` is how the session's tools reach the model (None: the endpoint's;
+        `astratk.models.tools`)."""
         url = self.session_url(session)
         self.register_session(session, engine, loop=loop, temperature=temperature, seed=seed, max_tokens=max_tokens,
-                              max_context=max_context, top_k_logprobs=top_k_logprobs)
+                              max_context=max_context, top_k_logprobs=top_k_logprobs, tool_format=tool_format)
         return url
 
     # --------------------------------------------------------------------------------------------- serving

@@ -61,6 +61,9 @@ def _number(body: dict[str, Any], key: str, default: Any, lo: float, hi: float, 
     return value
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the roles OpenAI's API takes
+
+
 def _check_tool_calls(calls: Any, where: str) -> None:
     """An assistant message's `tool_calls`: a list of {"id": str, "type": "function", "function": {"name": str,
     "arguments": str or object}}, as OpenAI's API takes them."""
@@ -81,6 +84,9 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(400, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
+        if m["role"] not in ROLES:
+            raise RequestError(400, f"Invalid value: {m['role']!r}. messages[{i}].role must be one of "
+                               f"{', '.join(ROLES)}", param=f"messages[{i}].role", code="invalid_value")
         if m.get("tool_calls") is not None:
             _check_tool_calls(m["tool_calls"], f"messages[{i}]")
         for key in ("tool_call_id", "name"):

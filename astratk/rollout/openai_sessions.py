@@ -20,6 +20,7 @@ from typing import Any
 
 from astratk.contracts import Completion, GenerationRequest, SamplingParams
 from astratk.models.chat import ChatTurns, stop_token_ids
+from astratk.models.tools import check_tool_format, convert_turns, prepare_messages, resolve_tool_format
 from astratk.rollout.openai_format import ChatRequest, RequestError, choice
 
 DEFAULT_SESSION = "default"
@@ -71,6 +72,7 @@ class Session:
     max_tokens: int | None = None
     max_context: int | None = None
     top_k_logprobs: int = 0
+    tool_format: str | None = None  # None: the endpoint's
     calls: list[CapturedCall] = field(default_factory=list)
     turns: dict[Any, Turn] = field(default_factory=dict)
     overridden: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -83,8 +85,9 @@ class SessionCapture:
     in one of them (`OpenAIEndpoint`'s docstring: sessions, reused turns)."""
 
     def __init__(self, engine: Any, model: str, *, max_model_len: int | None, default_max_tokens: int,
-                 keep_calls: int, max_sessions: int) -> None:
+                 keep_calls: int, max_sessions: int, tool_format: str = "auto") -> None:
         self.engine = engine
+        self.tool_format = check_tool_format(tool_format)
         self.model = model
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
@@ -101,16 +104,19 @@ class SessionCapture:
     # --------------------------------------------------------------------------------------------- sessions
     def register_session(self, session: str, engine: Any = None, *, loop: asyncio.AbstractEventLoop | None = None,
                          temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                         max_context: int | None = None, top_k_logprobs: int = 0) -> None:
+                         max_context: int | None = None, top_k_logprobs: int = 0, tool_format: str | None = None
+                         ) -> None:
         """Serve `session` with its own engine and sampling rules (`OpenAIEndpoint.open_session`)."""
         if engine is None and self.engine is None:
             raise ValueError(f"session {session!r}: give an engine (this endpoint has none of its own)")
+        if tool_format is not None:
+            check_tool_format(tool_format)
         with self._lock:
             if session in self._sessions:
                 raise ValueError(f"session {session!r} is already open")
             self._closed.discard(session)
             self._sessions[session] = Session(engine, loop, temperature, seed, max_tokens, max_context,
-                                              top_k_logprobs, opened=True)
+                                              top_k_logprobs, tool_format, opened=True)
 
     def close_session(self, session: str) -> list[CapturedCall]:
         """Stop serving `session` (its later requests get 404) and return its calls."""
@@ -169,10 +175,14 @@ class SessionCapture:
             entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok))
         return entry[1]
 
-    def _render(self, tok: Any, parsed: ChatRequest) -> tuple[int, ...]:
+    def tool_format_of(self, sess: Session, tok: Any) -> str:
+        """'template' or 'hermes': how `sess`'s tools reach the model of `tok` (`astratk.models.tools`)."""
+        return resolve_tool_format(tok, sess.tool_format or self.tool_format)
+
+    def _render(self, tok: Any, parsed: ChatRequest, fmt: str) -> tuple[int, ...]:
+        messages, tools = prepare_messages([_for_template(m) for m in parsed.messages], parsed.tools, fmt)
         try:
-            text = tok.apply_chat_template([_for_template(m) for m in parsed.messages], tools=parsed.tools,
-                                           add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template that cannot render these messages
             raise RequestError(400, f"the model's chat template cannot render these messages: {e}",
                                param="messages") from None
@@ -182,20 +192,22 @@ class SessionCapture:
         """The prompt's ids and the earlier turn it extends (`OpenAIEndpoint`'s docstring), or the template's
         rendering and None."""
         msgs = parsed.messages
+        fmt = self.tool_format_of(sess, tok)
         last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
         turn = sess.turns.get(_turn_key(msgs[last])) if last is not None else None
         rest = msgs[last + 1:] if last is not None else []
         if (turn is not None and rest and turn.tools == tools and all(m["role"] != "assistant" for m in rest)
                 and [_normalise(m) for m in msgs[:last]] == turn.history):
+            after = convert_turns(rest) if fmt == "hermes" else rest  # tool results as the fallback writes them
             try:
                 text = self._chat_turns(tok).continuation_of(
-                    [{"role": m["role"], "content": m.get("content") or ""} for m in rest],
+                    [{"role": m["role"], "content": m.get("content") or ""} for m in after],
                     _produced_close(tok, turn.completion))
             except Exception:  # noqa: BLE001 - no fixed turn separators, or a template that refuses the roles: the
-                return self._render(tok, parsed), None  # whole conversation rendered (a 400 if it cannot be)
+                return self._render(tok, parsed, fmt), None  # whole conversation rendered (a 400 if it cannot be)
             ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
             return turn.prompt + tuple(turn.completion.token_ids) + ids, turn
-        return self._render(tok, parsed), None
+        return self._render(tok, parsed, fmt), None
 
     # --------------------------------------------------------------------------------------------- calls
     async def _complete(self, parsed: ChatRequest, session: str, sess: Session

@@ -6,7 +6,9 @@ tasks with `rollout.group_size` samples each through the same rollout service an
 trainer). It reports, per policy: the mean sampled reward, pass@1 and pass@k (k = group size; a sample passes when it
 scores >= 1), the share of groups whose rewards differ (the ones a run trains on; the rest the zero-variance filter
 drops), truncation at `rollout.max_new_tokens`, greedy held-out accuracy (what the run's first evaluation would say)
-and the same advice a starving run prints (`astratk.dataflow.learning_signal`). Each policy runs with every core
+and the same advice a starving run prints (`astratk.dataflow.learning_signal`). For agent and multi-turn envs it
+also reports tool calls, unparseable calls and turns per episode, turn-limit and context-limit endings, and whether
+the tools reached the model's prompt (`astratk.models.tools`). Each policy runs with every core
 of this machine, as nothing else runs.
 
 Example:
@@ -27,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from astratk.dataflow.learning_signal import SignalReading, advice, describe
+from astratk.dataflow.learning_signal import AgentReading, SignalReading, advice, agent_counts, describe
 from astratk.models import ensure_model
+from astratk.models.tools import tool_status
 from astratk.records import Lease, RunContext
 
 
@@ -48,6 +51,7 @@ class PolicyProbe:
     greedy_accuracy: float | None
     advice: list[str] = field(default_factory=list)
     line: str = ""
+    agent: AgentReading | None = None  # agent and multi-turn envs: tool calls, turns, endings, tools in the prompt
 
     @property
     def signal_share(self) -> float:
@@ -69,6 +73,8 @@ class ProbeReport:
             rows.append(f"policy {p.policy_id!r}: mean reward {p.reward_mean:.3f}, pass@1 {p.pass_at_1:.3f}, "
                         f"pass@{p.k} {p.pass_at_k:.3f}{greedy}; {p.signal_share:.0%} of groups carry signal "
                         f"({p.signal_groups}/{p.groups}); {p.unfinished:.0%} of samples hit max_new_tokens")
+            if p.agent is not None:
+                rows.append("  " + p.agent.line())
             rows.append("  " + ("to get more signal: " + "; ".join(p.advice) if p.advice else
                                 "enough signal to train: every group with unequal rewards is a learning step's input"))
         return "\n".join(rows)
@@ -108,6 +114,13 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     t0 = time.perf_counter()
     paths = {p.policy_id: str(ensure_model(p.model, spec.env, log=printer, key=f"policies[{i}].model"))
              for i, p in enumerate(spec.policies)}
+    tools = {}
+    for pid, path in paths.items():
+        lines, shown = tool_status(spec.env, pid, path)
+        for line in lines:
+            printer(f"probe: {line}")
+        if shown is not None:
+            tools[pid] = shown
     with tempfile.TemporaryDirectory(prefix="astratk-probe-") as store_url:
         store = WeightStore.from_spec(store_url, spec.weights)
         for i, p in enumerate(spec.policies):
@@ -130,7 +143,7 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     groups = [g for res in results for g in res.groups]
     tokens = sum(len(t.tokens) - t.n_prompt for g in groups for t in g.trajectories)
     policies = {p.policy_id: _summarise(p.policy_id, [g for g in groups if g.policy_id == p.policy_id], spec,
-                                        greedy.get(p.policy_id)) for p in spec.policies}
+                                        greedy.get(p.policy_id), tools.get(p.policy_id)) for p in spec.policies}
     return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies)
 
 
@@ -163,13 +176,16 @@ def _greedy(service: Any, spec: Any, n: int, printer: Callable[[str], None]) -> 
     return out
 
 
-def _summarise(pid: str, groups: list[Any], spec: Any, greedy: float | None) -> PolicyProbe:
+def _summarise(pid: str, groups: list[Any], spec: Any, greedy: float | None,
+               tools: tuple[bool, str] | None = None) -> PolicyProbe:
     k = spec.rollout.group_size
     rewards = [[float(t.reward) for t in g.trajectories if t.reward is not None] for g in groups]
     rewards = [r for r in rewards if r]
     flat = [x for r in rewards for x in r]
     signal = sum(1 for r in rewards if max(r) != min(r))
     samples = [t for g in groups for t in g.trajectories]
+    shown, fmt = tools if tools is not None else (None, None)
+    agent = AgentReading.of([c for t in samples if (c := agent_counts(t.metrics)) is not None], shown, fmt)
     passed = [(len(r), sum(1 for x in r if x >= 1.0)) for r in rewards]
     p1 = sum(c / n for n, c in passed) / len(passed) if passed else 0.0
     pk = sum(pass_at_k(n, c, min(k, n)) for n, c in passed) / len(passed) if passed else 0.0
@@ -177,9 +193,10 @@ def _summarise(pid: str, groups: list[Any], spec: Any, greedy: float | None) -> 
                             dropped={"zero_variance": float(len(groups) - signal)} if len(groups) > signal else {},
                             samples=len(flat), reward_mean=sum(flat) / len(flat) if flat else None,
                             unfinished=(sum(1 for t in samples if not t.finished) / len(samples)) if samples else None,
-                            greedy_accuracy=greedy)
+                            greedy_accuracy=greedy, agent=agent)
     options = {"group_size": k, "temperature": spec.rollout.temperature,
                "max_new_tokens": spec.rollout.max_new_tokens}
-    todo = advice(reading, **options) if reading.signal_share < 0.5 else []
+    todo = (advice(reading, **options) if reading.signal_share < 0.5
+            or (agent and agent.advice(spec.rollout.max_new_tokens)) else [])
     return PolicyProbe(pid, len(groups), signal, len(flat), reading.reward_mean or 0.0, p1, pk, k,
-                       reading.unfinished or 0.0, greedy, todo, describe(reading, **options))
+                       reading.unfinished or 0.0, greedy, todo, describe(reading, **options), agent)

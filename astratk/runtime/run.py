@@ -284,6 +284,11 @@ class Run:
                                 "buffer": int(m.get(k + "buffer_groups", 0)),
                                 "groups_served": int(m.get(k + "groups_served", 0)),
                                 "reward_received": m.get(k + "reward_mean_received", float("nan"))}
+            if m.get(k + "agent/episodes"):  # agent and multi-turn envs: tool calls so far, per episode
+                n = m[k + "agent/episodes"]
+                out[p.policy_id]["agent"] = {"episodes": int(n), "tool_calls": m.get(k + "agent/tool_calls", 0.0) / n,
+                                             "unparsed_calls": m.get(k + "agent/unparsed_calls", 0.0) / n,
+                                             "turns": m.get(k + "agent/turns", 0.0) / n}
         for p in self.spec.policies:
             if isinstance(out.get(p.policy_id), dict):
                 out[p.policy_id]["max_time_s"] = p.trainer.max_time_s
@@ -343,6 +348,8 @@ class Run:
               f"in hand) and ended at {s['first_step_s']:.0f}s")
         p(f"training: {s['steps']} steps in {s['train_time_s']:.0f}s, trainer waited for data "
           f"{100 * s['data_wait_fraction']:.0f}% of it; whole run {s['wall_time_s']:.0f}s")
+        for pid, a in (s.get("agent") or {}).items():  # agent and multi-turn envs: how the tools were used
+            p(f"{a['line']} (policy {pid!r})")
         for name, path in files.items():
             p(f"{name:>8}: {path}")
         if s.get("stopped_early"):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from astratk.models import ensure_model
+from astratk.models.tools import tool_status
 from astratk.records import Drop, RunContext
 from astratk.rollout.bounded import abandoned_threads
 from astratk.runtime import warm
@@ -67,6 +68,7 @@ class Session(Drive, WrapUp, LiveMetrics):
         self.cluster: Any = None  # the local PoolCluster (None when attached to a scheduler)
         self.autoscale: Any = None  # WaitFractionMonitor when cluster.autoscale is on
         self.model_paths: dict[str, str] = {}
+        self.tools_shown: dict[str, tuple[bool, str]] = {}  # policy -> (its prompts show the tools, the format)
         self.resume_point: ResumePoint | None = None  # with resume_from (one policy only)
         self.stream: Any = None  # the in-process trainer's GroupStream (single-policy runs)
         self.recorders: dict[str, Any] = {}  # the in-process trainer's StepRecorder: its rows grow as it trains
@@ -155,6 +157,11 @@ class Session(Drive, WrapUp, LiveMetrics):
             path = str(ensure_model(p.model, self.spec.env, log=self.print, key=f"policies[{i}].model"))
             self.model_paths[p.policy_id] = path
             self.print(f"model for {p.policy_id!r}: {path} ({time.perf_counter() - t:.0f}s)")
+            lines, shown = tool_status(self.spec.env, p.policy_id, path)
+            for line in lines:
+                self.print(line)
+            if shown is not None:
+                self.tools_shown[p.policy_id] = shown
 
     def _prepare_weights(self) -> str:
         """The weight store's URL, holding every policy's version 0; or, when resuming, the resumed

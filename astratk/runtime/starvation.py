@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.dataflow.learning_signal import SignalReading, describe
+from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading, SignalReading, describe
 
 NO_ROLLOUT_S = 60.0  # a wait this long with no rollout at all is said; shorter ones are engines starting
 
@@ -37,8 +37,10 @@ class _Window:
 class StarvationMonitor:
     def __init__(self, spec: Any, datalayer: Any, printer: Callable[[str], None], *,
                  streams: dict[str, Any] | None = None, greedy: Callable[[str], float | None] | None = None,
+                 tools: dict[str, tuple[bool, str]] | None = None,
                  check_s: float = 5.0, after_s: float = 20.0, repeat_s: float = 60.0) -> None:
         self.spec, self.datalayer, self.print = spec, datalayer, printer
+        self.tools = dict(tools or {})  # policy -> (tools shown to its model, the tool format), for envs with tools
         self.streams = dict(streams or {})
         self.greedy = greedy or (lambda pid: None)
         self.check_s, self.after_s, self.repeat_s = check_s, after_s, repeat_s
@@ -134,11 +136,15 @@ class StarvationMonitor:
 
         samples = delta("samples_received")
         dropped = {r: n - w.drops.get(r, 0.0) for r, n in drops.items() if n - w.drops.get(r, 0.0) > 0}
+        episodes = int(delta("agent/episodes"))
+        shown, fmt = self.tools.get(pid, (None, None))
+        agent = AgentReading(episodes, **{name: delta(f"agent/{name}") for name in AGENT_METRICS},
+                             tools_shown=shown, tool_format=fmt) if episodes else None
         return SignalReading(groups=int(delta("groups_received")), admitted=int(delta("groups_admitted")),
                              dropped=dropped, samples=int(samples),
                              reward_mean=delta("reward_sum_received") / samples if samples else None,
                              unfinished=delta("samples_unfinished") / samples if samples else None,
-                             greedy_accuracy=self.greedy(pid))
+                             greedy_accuracy=self.greedy(pid), agent=agent)
 
     def _staleness(self, pid: str) -> int:
         own = self.spec.policy(pid).trainer.max_staleness

@@ -69,6 +69,10 @@ def render(run: Any) -> str:
         rows.append(f"<tr><td><b>{html.escape(p.policy_id)}</b></td><td>{_bar(fraction)}</td>"
                     f"<td>{100 * fraction:.0f}%</td><td>{html.escape(label)}</td><td>buffer {d['buffer']}</td>"
                     f"<td>reward {reward:.3f}</td></tr>")
+        if d.get("agent"):  # agent envs: how the model uses its tools, while it trains
+            a = d["agent"]
+            rows.append(f"<tr><td></td><td colspan='5'>{a['episodes']} episodes: {a['tool_calls']:.2f} tool calls, "
+                        f"{a['unparsed_calls']:.2f} unparseable, {a['turns']:.1f} turns per episode</td></tr>")
     curve = st.get("accuracy_curve") or []
     acc = ""
     if "accuracy" in st:

@@ -10,6 +10,7 @@ import concurrent.futures
 import time
 from typing import Any
 
+from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading
 from astratk.spec import RunSpec
 
 # The quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it.
@@ -115,11 +116,27 @@ class WrapUp:
             **_stop_summary(self.spec, results),
             "starvation": [w["line"] for w in self.starvation.warnings[-10:]] if self.starvation else [],
         }
+        agent = {p.policy_id: a for p in self.spec.policies if (a := self._agent_summary(p.policy_id)) is not None}
+        if agent:
+            summary["agent"] = agent
         if len(self.spec.policies) > 1:
             for p in self.spec.policies:
                 if p.policy_id in results:
                     summary.update(self._policy_summary(p.policy_id, results[p.policy_id]))
         return summary
+
+    def _agent_summary(self, pid: str) -> dict[str, Any] | None:
+        """A policy's agent episodes over the whole run (tool calls, unparseable calls and turns per episode, the
+        shares that ended at the turn or context limit, the tool format its model got); None for other envs."""
+        counters = getattr(self, "counters", {})
+        episodes = int(counters.get(f"data/{pid}/agent/episodes", 0))
+        if not episodes:
+            return None
+        shown, fmt = getattr(self, "tools_shown", {}).get(pid, (None, None))
+        r = AgentReading(episodes, **{n: counters.get(f"data/{pid}/agent/{n}", 0.0) for n in AGENT_METRICS},
+                         tools_shown=shown, tool_format=fmt)
+        return {"episodes": episodes, **{f"{n}_per_episode": r.per_episode(n) for n in AGENT_METRICS},
+                "tools_shown": shown, "tool_format": fmt, "line": r.line()}
 
     def _policy_summary(self, pid: str, result: dict[str, Any]) -> dict[str, Any]:
         """One policy's numbers in a multi-policy run's summary: its fit and its evaluations."""

@@ -56,7 +56,7 @@ def test_local_run_advances_versions_and_writes_metrics(tmp_path, monkeypatch):
     # versions reached the trajectories: later batches were sampled by published (v >= 1) weights
     assert float(ds["train_behavior_version_max"].max()) >= 1
     assert float(ds["train_policy_version"].sel(policy="main").isel(step=-1)) == 5  # the last step trained from v5, then published v6
-    assert ds.sizes["evaluation"] >= 2 and float(ds["eval_version"].isel(evaluation=0)) == 0
+    assert ds.sizes["evaluation"] >= 2 and float(ds["eval_version"].sel(policy="main").isel(evaluation=0)) == 0
     assert ds.attrs["partial"] == 0  # the final file (those written while training say 1)
     # |pi - mu| whatever the loss: the first step trains version 0 on version-0 rollouts (the mismatch alone: tiny)
     pi_mu = ds["train_pi_mu_abs_mean"].sel(policy="main").values

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from astratk.models.chat import encode_chat
+from astratk.models.chat import encode_chat, parse_tool_calls
 from astratk.models.tokenizer import build_char_tokenizer
 from astratk.models.warm_start import rendered_turn
 
@@ -70,4 +70,18 @@ def test_a_template_that_cannot_render_the_turn_is_refused_in_one_line(template,
     tok = build_char_tokenizer()
     tok.chat_template = template
     with pytest.raises(ValueError, match=message):
-        _completion(tok)
+        prompt = encode_chat(tok, ASK, tools=TOOLS, tool_format="template")
+        rendered_turn(tok, ASK, CALL, TOOLS, prompt, tool_format="template")
+
+
+def test_a_template_without_tool_support_gets_the_call_in_the_fallback_format():
+    """The template that drops tools and calls (first case above): under tool_format auto the demonstration is
+    written in the hermes fallback, which the endpoint's parser reads back, as the episodes are."""
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
+                         "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                         "{% endif %}")
+    text = _completion(tok)
+    [call] = parse_tool_calls(text)
+    assert not call.error and (call.name, call.arguments) == ("lookup", {"item": "tea"})
+    assert "<tools>" in tok.decode(encode_chat(tok, ASK, tools=TOOLS))  # the prompt lists the tool

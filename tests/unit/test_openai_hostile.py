@@ -56,6 +56,7 @@ HOSTILE = {
     "a lone surrogate": {"messages": [{"role": "user", "content": "\ud800"}]},
     "messages not a list": {"messages": "hi"},
     "a message without a role": {"messages": [{"content": "hi"}]},
+    "a role OpenAI does not know": {"messages": [{"role": "wizard", "content": "hi"}]},
     "content a number": {"messages": [{"role": "user", "content": 3}]},
     "the body a list": [1, 2],
     "n zero": {"messages": ASK, "n": 0},

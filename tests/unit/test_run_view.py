@@ -32,3 +32,12 @@ def test_render_shows_progress_accuracy_and_the_newest_log_lines():
     assert "<i>training</i>" in page and "50%" in page and "v12/2000 · 60/120 s" in page
     assert "0.410" in page and "best 0.410" in page and "<svg" in page
     assert "line 29" in page and "line 17" not in page  # the newest 12 lines
+
+
+def test_render_shows_how_an_agent_uses_its_tools():
+    spec = SimpleNamespace(name="nb", policies=[SimpleNamespace(policy_id="main")])
+    status = {"state": "training", "main": {"version": 2, "max_steps": 10, "buffer": 0, "groups_served": 4,
+                                            "reward_received": 0.1, "agent": {"episodes": 64, "tool_calls": 0.75,
+                                                                              "unparsed_calls": 0.25, "turns": 1.5}}}
+    run = SimpleNamespace(spec=spec, status=lambda: status, result=None, error=None, log_lines=[])
+    assert "64 episodes: 0.75 tool calls, 0.25 unparseable, 1.5 turns per episode" in render(run)

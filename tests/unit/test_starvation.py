@@ -129,3 +129,22 @@ def test_a_trainer_in_another_process_is_starving_when_no_batch_is_served():
     assert mon.check(15.0) == []
     [line] = mon.check(21.0)
     assert "20 groups rolled out, 0 with signal" in line
+
+
+def test_an_agent_that_never_calls_its_tools_is_said_with_the_episodes_of_the_wait():
+    dl, stream = FakeDataLayer(), Stream()
+    spec = RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(max_new_tokens=16))
+    lines: list[str] = []
+    mon = StarvationMonitor(spec, dl, lines.append, streams={"main": stream}, tools={"main": (True, "hermes")})
+    k = "data/main/agent/"
+    dl.m.update({k + "episodes": 80.0, k + "tool_calls": 50.0, k + "turns": 160.0})  # before the wait: calls made
+    dl.roll(10, 5, 0.3)
+    mon.check(0.0)
+    stream.waiting_since = 1.0
+    dl.roll(32, 0, 0.0)
+    dl.m.update({k + "episodes": 80.0 + 256, k + "turns": 160.0 + 256, k + "unparsed_calls": 0.0,
+                 k + "turn_limit": 0.0, k + "context_limit": 0.0})  # the wait's 256 episodes: no call at all
+    [line] = mon.check(25.0)
+    assert ("agent: 256 episodes, 0.00 tool calls and 0.00 unparseable per episode, 1.0 turns per episode; 0% ended "
+            "at the turn limit, 0% at the context limit; tools in the prompt: yes (hermes)") in line
+    assert "the model made no tool call in 256 episodes" in line
