@@ -32,13 +32,36 @@ class _Clock:
         self.last = now
 
 
-def _left_padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device):
-    """Prompt ids [B, P] left-padded with 0, attention mask [B, P + new_tokens] (0 on padding), prompt lengths [B]."""
+MIN_SHARED_PREFIX = 32  # a common prefix this long (tokens) is prefilled once for the whole batch
+
+
+def shared_prefix(prompts: list[tuple[int, ...]]) -> int:
+    """The length of the prefix every prompt shares, short of each prompt's last token (every row keeps at least one
+    token of its own, whose logits start its decoding); 0 when it is under `MIN_SHARED_PREFIX` or all prompts are
+    equal (a group's samples: prefilled once already)."""
+    first = prompts[0]
+    if all(x == first for x in prompts):
+        return 0
+    c = min(len(x) for x in prompts) - 1
+    for x in prompts[1:]:
+        i = 0
+        while i < c and x[i] == first[i]:
+            i += 1
+        c = i
+    return c if c >= MIN_SHARED_PREFIX else 0
+
+
+def _padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device):
+    """Prompt ids [B, P], attention mask [B, P + new_tokens] (0 on padding), prompt lengths [B] and the shared prefix's
+    length c. Each row is the shared prefix, then padding, then the rest of its prompt (right-aligned at P): with no
+    shared prefix that is plain left padding. Padding inside a row is masked like padding at its start, and positions
+    count real tokens only, so a row computes what it would alone."""
+    c = shared_prefix(prompts)
     p = max(map(len, prompts))
-    ids = torch.tensor([[0] * (p - len(x)) + list(x) for x in prompts], device=device)
+    ids = torch.tensor([list(x[:c]) + [0] * (p - len(x)) + list(x[c:]) for x in prompts], device=device)
     mask = torch.ones(len(prompts), p + new_tokens, dtype=torch.long, device=device)
-    mask[:, :p] = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts], device=device)
-    return ids, mask, torch.tensor([len(x) for x in prompts], device=device)
+    mask[:, :p] = torch.tensor([[1] * c + [0] * (p - len(x)) + [1] * (len(x) - c) for x in prompts], device=device)
+    return ids, mask, torch.tensor([len(x) for x in prompts], device=device), c
 
 
 class _Batch:
@@ -51,7 +74,7 @@ class _Batch:
         self.n = max(r.params.max_tokens for r in requests)
         self.k = max(r.params.top_k_logprobs for r in requests)
         # [B, P], [B, P+N], [B]
-        self.ids, self.mask, self.next_pos = _left_padded([r.prompt_ids for r in requests], self.n, dev)
+        self.ids, self.mask, self.next_pos, self.prefix = _padded([tuple(r.prompt_ids) for r in requests], self.n, dev)
         self.p = self.ids.shape[1]
         self.temps = torch.tensor([r.params.temperature for r in requests], device=dev)  # [B]
         self.budgets = torch.tensor([r.params.max_tokens for r in requests], device=dev)  # [B]
@@ -64,16 +87,21 @@ class _Batch:
     def prefill(self) -> torch.Tensor:
         """The prompts through the model into the cache; returns the last logits [B, V]. Equal prompts (a group's
         samples) are prefilled once; their cache rows and last logits are then indexed out per request, which is what
-        each row's own prefill would compute."""
-        requests, dev, p = self.requests, self.ids.device, self.p
+        each row's own prefill would compute. A prefix all prompts share (an agent's system message and tools) is
+        prefilled once, on one row, and its cache copied to every row before the rest of each prompt."""
+        requests, dev, p, c = self.requests, self.ids.device, self.p, self.prefix
         pos = (self.mask[:, :p].cumsum(1) - 1).clamp(min=0)
         first: dict[tuple[int, ...], int] = {}  # prompt -> its first row
         for i, r in enumerate(requests):
             first.setdefault(tuple(r.prompt_ids), i)
         shared = len(first) < len(requests)
         unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
-        logits = self.model(input_ids=self.ids[unique], attention_mask=self.mask[unique, :p], position_ids=pos[unique],
-                            use_cache=True, logits_to_keep=1,
+        if c:
+            self.model(input_ids=self.ids[:1, :c], attention_mask=self.mask[:1, :c], position_ids=pos[:1, :c],
+                       use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache))
+            self.cache.batch_select_indices(torch.zeros(len(first), dtype=torch.long, device=dev))  # [U] copies
+        logits = self.model(input_ids=self.ids[unique, c:], attention_mask=self.mask[unique, :p],
+                            position_ids=pos[unique, c:], use_cache=True, logits_to_keep=1,
                             **cache_kwargs(self.model, self.cache)).logits[:, -1]  # [U, V]
         if shared:
             slot = {prompt: j for j, prompt in enumerate(first)}

@@ -37,6 +37,7 @@ from astratk.config import to_plain as plain_config  # the class_path / init_arg
 from astratk.contracts import Env
 from astratk.models.gguf import gguf_directory, resolve_gguf_file
 from astratk.models.hub import resolve
+from astratk.models.pretrained_warm import warm_started
 from astratk.models.pypi import resolve_pypi
 from astratk.models.tiny import build_tiny_model, check_tiny_spec
 from astratk.models.tokenizer import IM_END, build_char_tokenizer, save_char_tokenizer
@@ -64,15 +65,11 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
     dequantized once into the cache (`astratk.models.gguf`). Errors name `key`.
     """
     model_spec.validate(key)  # a user path must hold config.json; the error names the path
-    if model_spec.is_gguf:
-        file = resolve_gguf_file(model_spec.path, model_spec.gguf_file, model_spec.revision, key=key,
-                                 cache_dir=cache_dir or model_spec.cache_dir)
-        return gguf_directory(file, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir, log=log)
     if model_spec.path is not None:
-        path = model_spec.path
-        if is_pypi_path(path):  # a model directory shipped in a wheel
-            path = str(resolve_pypi(path, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir))
-        return resolve(path, model_spec.revision, key=f"{key}.path").directory
+        base = _pretrained(model_spec, key, cache_dir, log)
+        if model_spec.warm_start is None:
+            return base
+        return warm_started(base, model_spec.warm_start, env, cache_dir or model_spec.cache_dir, log)
     tiny = model_spec.tiny
     check_tiny_spec(tiny)
     key = model_key(tiny, env)
@@ -92,6 +89,20 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return final
+
+
+def _pretrained(model_spec: ModelSpec, key: str, cache_dir: str | os.PathLike | None,
+                log: Callable[[str], None]) -> Path:
+    """The directory of `model_spec.path`'s model: a GGUF file dequantized once, a wheel's folder, a Hub id, a local
+    directory."""
+    if model_spec.is_gguf:
+        file = resolve_gguf_file(model_spec.path, model_spec.gguf_file, model_spec.revision, key=key,
+                                 cache_dir=cache_dir or model_spec.cache_dir)
+        return Path(gguf_directory(file, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir, log=log))
+    path = model_spec.path
+    if is_pypi_path(path):  # a model directory shipped in a wheel
+        path = str(resolve_pypi(path, key=f"{key}.path", cache_dir=cache_dir or model_spec.cache_dir))
+    return Path(resolve(path, model_spec.revision, key=f"{key}.path").directory)
 
 
 def _build(tiny: TinyModelSpec, env: Env, key: str, out: Path, log: Callable[[str], None]) -> None:

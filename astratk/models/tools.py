@@ -34,13 +34,21 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["TOOL_FORMATS", "describe", "tool_formats_asked", "tool_status", "prepare_messages", "resolve_tool_format", "template_renders_tools",
-           "tools_system_text"]
+__all__ = [
+    "TOOL_FORMATS",
+    "describe",
+    "prepare_messages",
+    "resolve_tool_format",
+    "template_renders_tools",
+    "tool_formats_asked",
+    "tool_status",
+    "tools_system_text",
+]
 
 TOOL_FORMATS = ("auto", "template", "hermes")
 

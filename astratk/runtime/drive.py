@@ -152,7 +152,8 @@ class Drive:
 
         streams = {self.spec.policies[0].policy_id: self.stream} if self.stream is not None else {}
         return StarvationMonitor(self.spec, self.deployment.datalayer, self.print, streams=streams,
-                                 greedy=self._greedy_accuracy, tools=getattr(self, "tools_shown", {})).start()
+                                 greedy=self._greedy_accuracy, tools=getattr(self, "tools_shown", {}),
+                                 busy=self.evaluator.running).start()
 
     def _greedy_accuracy(self, policy_id: str) -> float | None:
         """The newest held-out (greedy) accuracy of a policy, where an evaluation has run."""

@@ -38,6 +38,7 @@ class Evaluator:
         self._lock = threading.Lock()
         self._evaluated: dict[str, int] = {}  # versions evaluated before the periodic loop started
         self._after: concurrent.futures.Future | None = None  # what the periodic loop waits for before its first
+        self._running: dict[int, tuple[str, float]] = {}  # evaluations in flight: (which versions, time.monotonic())
 
     def evaluate(self, version: int | dict[str, int | None] | None = None, *, priority: int = 100,
                  timeout_s: float | None = None) -> dict[str, float]:
@@ -51,13 +52,18 @@ class Evaluator:
         future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k,
                                     resources=resources, priority=priority, pure=False)
         timeout_s = self.espec.timeout_s if timeout_s is None else timeout_s
+        which = ", ".join(f"{p} {'newest' if v is None else f'v{v}'}" for p, v in versions.items())
+        with self._lock:
+            self._running[id(future)] = (which, time.monotonic())
         try:
             out = future.result(timeout=timeout_s)
         except TimeoutError:
             future.cancel()
-            which = ", ".join(f"{p} {'newest' if v is None else f'v{v}'}" for p, v in versions.items())
             raise TimeoutError(f"held-out evaluation of {which} took more than {timeout_s:.0f}s "
                                "(eval.timeout_s)") from None
+        finally:
+            with self._lock:
+                self._running.pop(id(future), None)
         t0 = self.train_t0
         record = {**out, "evaluated_at": time.time(),
                   "train_time_s": (out["published_at"] - t0) if t0 is not None else float("nan")}
@@ -66,6 +72,16 @@ class Evaluator:
         if self.on_record is not None:
             self.on_record(record)
         return record
+
+    def running(self) -> str | None:
+        """The held-out evaluations in flight, in words (which versions, for how long, on how many tasks), or None."""
+        with self._lock:
+            running = list(self._running.values())
+        if not running:
+            return None
+        now = time.monotonic()
+        return "; ".join(f"{which} for {now - t0:.0f}s" for which, t0 in running) + (
+            f" on {self.espec.max_tasks} held-out tasks")
 
     def evaluate_in_background(self, version: int, timeout_s: float, start_after_s: float = 60.0
                                ) -> concurrent.futures.Future:

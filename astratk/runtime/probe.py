@@ -111,7 +111,6 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     if n_tasks < 1:
         raise ValueError(f"probe: n_tasks must be >= 1, got {n_tasks}")
     spec.validate()
-    t0 = time.perf_counter()
     paths = {p.policy_id: str(ensure_model(p.model, spec.env, log=printer, key=f"policies[{i}].model"))
              for i, p in enumerate(spec.policies)}
     tools = {}
@@ -121,6 +120,7 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
             printer(f"probe: {line}")
         if shown is not None:
             tools[pid] = shown
+    t0 = time.perf_counter()  # sampling only: a model's build or warm start above is not the engine's speed
     with tempfile.TemporaryDirectory(prefix="astratk-probe-") as store_url:
         store = WeightStore.from_spec(store_url, spec.weights)
         for i, p in enumerate(spec.policies):

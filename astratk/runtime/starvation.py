@@ -37,10 +37,11 @@ class _Window:
 class StarvationMonitor:
     def __init__(self, spec: Any, datalayer: Any, printer: Callable[[str], None], *,
                  streams: dict[str, Any] | None = None, greedy: Callable[[str], float | None] | None = None,
-                 tools: dict[str, tuple[bool, str]] | None = None,
+                 tools: dict[str, tuple[bool, str]] | None = None, busy: Callable[[], str | None] | None = None,
                  check_s: float = 5.0, after_s: float = 20.0, repeat_s: float = 60.0) -> None:
         self.spec, self.datalayer, self.print = spec, datalayer, printer
         self.tools = dict(tools or {})  # policy -> (tools shown to its model, the tool format), for envs with tools
+        self.busy = busy or (lambda: None)  # the held-out evaluations that share the rollout workers, in words
         self.streams = dict(streams or {})
         self.greedy = greedy or (lambda pid: None)
         self.check_s, self.after_s, self.repeat_s = check_s, after_s, repeat_s
@@ -107,9 +108,13 @@ class StarvationMonitor:
         if reading.groups == 0:
             if waited < NO_ROLLOUT_S:  # engines load and the first chunk generates: not yet worth a word
                 return None
+            evaluating = self.busy()
             line = (f"[starving] policy {pid!r}: its trainer has waited {waited:.0f}s for a batch and no rollout "
-                    "arrived meanwhile: are the rollout workers alive? (a large model's engine can take minutes to "
-                    "load, and evaluations run on the same workers; the workers' log says more)")
+                    + (f"arrived meanwhile: the rollout workers are evaluating ({evaluating}); evaluations share them "
+                       "with rollouts, so fewer eval.max_tasks or a longer eval.interval_s lets training start sooner"
+                       if evaluating else
+                       "arrived meanwhile: are the rollout workers alive? (a large model's engine can take minutes to "
+                       "load, and evaluations run on the same workers; the workers' log says more)"))
         elif not reading.dropped:
             return None  # data arrives and nothing is dropped: rollouts are just slower than training
         else:

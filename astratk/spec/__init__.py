@@ -11,7 +11,7 @@ One module per section, in the order a run's YAML lists them:
 
 | module | sections |
 |---|---|
-| `model` | `ModelSpec`, `TinyModelSpec`, `LoraSpec`; what a `model.path` string means |
+| `model` | `ModelSpec`, `TinyModelSpec`, `LoraSpec`, `WarmStartSpec`; what a `model.path` string means |
 | `trainer` | `TrainerSpec`, `DivergenceSpec`; the aggregation and logger names |
 | `rollout` | `RolloutSpec` |
 | `dataflow` | `DataflowSpec`, `SnapshotSpec` |
@@ -38,7 +38,7 @@ from astratk.spec.base import Section, StartError
 from astratk.spec.cluster import SCORE_LABEL, AutoscaleSpec, ClusterSpec, TLSSpec, WorkerClass
 from astratk.spec.dataflow import DataflowSpec, SnapshotSpec
 from astratk.spec.eval import EvalSpec
-from astratk.spec.model import LoraSpec, ModelSpec, TinyModelSpec
+from astratk.spec.model import LoraSpec, ModelSpec, TinyModelSpec, WarmStartSpec
 from astratk.spec.rollout import RolloutSpec
 from astratk.spec.run import PolicySpec, RunSpec
 from astratk.spec.trainer import ACCELERATORS, PRECISIONS, DivergenceSpec, TrainerSpec
@@ -46,4 +46,5 @@ from astratk.spec.weights import WeightsSpec
 
 __all__ = ["ACCELERATORS", "PRECISIONS", "SCORE_LABEL", "AutoscaleSpec", "ClusterSpec", "DataflowSpec",
            "DivergenceSpec", "EvalSpec", "LoraSpec", "ModelSpec", "PolicySpec", "RolloutSpec", "RunSpec", "Section",
-           "SnapshotSpec", "StartError", "TLSSpec", "TinyModelSpec", "TrainerSpec", "WeightsSpec", "WorkerClass"]
+           "SnapshotSpec", "StartError", "TLSSpec", "TinyModelSpec", "TrainerSpec", "WarmStartSpec", "WeightsSpec",
+           "WorkerClass"]

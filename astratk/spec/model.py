@@ -144,6 +144,41 @@ class LoraSpec(Section):
 
 
 @dataclass
+class WarmStartSpec(Section):
+    """A short supervised warm start of a pretrained model (`model.path`) on the env's demonstrations before RL
+    (`astratk.models.pretrained_warm`): for a skill the model never shows by itself (a 135M chat model that never
+    writes a tool call gives RL groups of zeros). The result is cached like a tiny model, keyed by the model, the env
+    and these settings."""
+
+    SPEC_KEY = "model.warm_start"
+
+    steps: int = 60
+    """a cap on AdamW steps (every weight trains; the RL run's LoRA adapters then start from the result)"""
+    batch: int = 8
+    """demonstrations per step"""
+    lr: float = 2e-5
+    """learning rate (linear warmup over the first steps, then constant)"""
+    target: float | None = 0.5
+    """stop once the running exact-match on unseen train batches reaches this: partly right, so that RL has room
+    (null: run every step)"""
+    seed: int = 0
+    """seed of the batches' order"""
+    heldout: int = 32
+    """held-out tasks whose greedy accuracy the cache records after the warm start"""
+
+    def validate(self, key: str = "model.warm_start") -> None:
+        positive(key, steps=self.steps, batch=self.batch, lr=self.lr, heldout=self.heldout)
+        finite(key, lr=self.lr)
+        if self.target is not None and not 0.0 <= self.target <= 1.0:
+            raise ValueError(f"{key}.target: a fraction in [0, 1] or null (run every step), got {self.target}")
+
+    def as_tiny(self) -> TinyModelSpec:
+        """The same settings in the form the warm-start loop reads (`astratk.models.warm_start`)."""
+        return TinyModelSpec(warm_start_steps=self.steps, warm_start_batch=self.batch, warm_start_lr=self.lr,
+                             warm_start_target=self.target, seed=self.seed)
+
+
+@dataclass
 class ModelSpec(Section):
     SPEC_KEY = "model"
 
@@ -164,6 +199,9 @@ class ModelSpec(Section):
     """where built tiny models are cached; None: $ASTRATK_CACHE or ~/.cache/astratk"""
     lora: LoraSpec | None = None
     """LoRA adapters instead of full fine-tuning (None: every weight trains)"""
+    warm_start: WarmStartSpec | None = None
+    """a supervised warm start of `path`'s model on the env's demonstrations before RL (None: RL from the model as
+    it is; the tiny model has its own, in `tiny`)"""
 
     def validate(self, key: str) -> None:
         """Cheap checks only: a local directory must hold config.json; a Hub id is resolved (and
@@ -190,6 +228,11 @@ class ModelSpec(Section):
             raise ValueError(f"{key}.revision is set but {key}.path is empty (the tiny model has no "
                              "revisions); give a Hub id in path, or remove the revision")
         self.tiny.validate(f"{key}.tiny")
+        if self.warm_start is not None:
+            if self.path is None:
+                raise ValueError(f"{key}.warm_start applies to a pretrained model (model.path); the tiny model's warm "
+                                 f"start is {key}.tiny.warm_start_steps")
+            self.warm_start.validate(f"{key}.warm_start")
         if self.lora is not None:
             self.lora.validate(f"{key}.lora")
 

@@ -155,3 +155,49 @@ def test_the_openai_endpoint_serves_it_with_its_own_template(smollm2_dir):
     [choice] = reply["choices"]
     assert choice["finish_reason"] == "stop" and "5" in choice["message"]["content"]
     assert "<|im_end|>" not in choice["message"]["content"]
+
+
+def test_tools_reach_smollm2_and_its_calls_are_parsed_run_and_answered(smollm2_dir):
+    """SmolLM2's template drops `tools`; through AgentEnv (an `openai`-client agent with two tools) the prompt the
+    engine sees lists them in the hermes format, and each call the model writes is parsed, run by the agent and
+    answered as a <tool_response>. The model's turns are scripted (a 135M model rarely calls a tool untaught), the
+    tokenizer, template, endpoint and agent are the real ones."""
+    from astratk.engines.scripted import ScriptedEngine
+    from astratk.envs import price_total
+    from astratk.envs.agent import AgentEnv
+    from astratk.models.loading import load_tokenizer
+    from astratk.models.tools import resolve_tool_format, template_renders_tools
+    from astratk.rollout.bounded import run_episodes
+
+    pytest.importorskip("openai")
+    tok = load_tokenizer(smollm2_dir)
+    assert not template_renders_tools(tok) and resolve_tool_format(tok) == "hermes"
+    rows = price_total.rows(4, seed=3)
+    end = stop_token_ids(tok)[0]
+    seen: list[str] = []
+
+    def script(prompt, params):  # the demonstration's turns, written as the fallback format asks
+        seen.append(tok.decode(list(prompt)))
+        k = len(seen) - 1
+        turns = [message for _, message, _ in price_total.demonstrations(task_row)]
+        if isinstance(turns[k], str):
+            text = turns[k]
+        else:
+            text = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                           "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+                             for c in turns[k]["tool_calls"])
+        return tok(text, add_special_tokens=False)["input_ids"] + [end]
+
+    env = AgentEnv(rows, price_total.agent, price_total.reward, heldout=1)
+    task = next(iter(env.tasks("train")))
+    task_row = env.row(task)
+    sampling = SamplingParams(temperature=1.0, max_tokens=96, seed=1)
+    [traj] = run_episodes(env.rollout(task, {"policy": ScriptedEngine(tok, script)}, sampling,
+                                      policy_ids={"policy": "main"}, group_id="L1/0"))
+    assert "<tools>" in seen[0] and '"name": "lookup"' in seen[0] and '"name": "add"' in seen[0]  # tools reached it
+    a, b = task_row["items"]
+    prices = task_row["prices"]
+    assert f"<tool_response>\n{prices[a]}\n</tool_response>" in seen[1]  # both lookups parsed, run and answered
+    assert f"<tool_response>\n{task_row['answer']}\n</tool_response>" in seen[2]  # add too
+    assert traj.metrics["tool_calls"] == 3.0 and traj.metrics["tool_call_errors"] == 0.0
+    assert env.score(task, [traj]) == [1.0]

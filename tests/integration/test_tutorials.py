@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 
 
-def test_there_are_nine_tutorials():
-    assert len(TUTORIALS) == 9, TUTORIALS
+def test_there_are_ten_tutorials():
+    assert len(TUTORIALS) == 10, TUTORIALS
 
 
 @pytest.fixture(scope="module")

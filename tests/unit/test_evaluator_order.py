@@ -44,3 +44,20 @@ def test_a_stopped_loop_ends_while_it_waits():
     evaluator.start(after=concurrent.futures.Future())
     evaluator.stop(timeout=5)
     assert not evaluator._thread.is_alive()
+
+
+def test_an_evaluation_in_flight_is_said_in_words():
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    client = SimpleNamespace(submit=lambda *a, **k: future)
+    evaluator = Evaluator(client, SimpleNamespace(spec=RunSpec(eval=EvalSpec(max_tasks=64))), "main",
+                          SimpleNamespace(latest=lambda pid: None))
+    assert evaluator.running() is None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(evaluator.evaluate, 0)
+        deadline = time.monotonic() + 10
+        while evaluator.running() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert evaluator.running().startswith("main v0 for ") and evaluator.running().endswith("on 64 held-out tasks")
+        future.set_result({"version": 0.0, "accuracy": 0.5, "published_at": 0.0})
+        done.result(timeout=10)
+    assert evaluator.running() is None

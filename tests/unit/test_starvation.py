@@ -148,3 +148,18 @@ def test_an_agent_that_never_calls_its_tools_is_said_with_the_episodes_of_the_wa
     assert ("agent: 256 episodes, 0.00 tool calls and 0.00 unparseable per episode, 1.0 turns per episode; 0% ended "
             "at the turn limit, 0% at the context limit; tools in the prompt: yes (hermes)") in line
     assert "the model made no tool call in 256 episodes" in line
+
+
+def test_no_rollout_while_the_workers_evaluate_is_said_as_such():
+    dl, stream = FakeDataLayer(), Stream()
+    spec = RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(max_new_tokens=16))
+    busy = {"now": "main v0 for 230s on 64 held-out tasks"}
+    mon = StarvationMonitor(spec, dl, lambda line: None, streams={"main": stream}, busy=lambda: busy["now"])
+    mon.check(0.0)
+    stream.waiting_since = 0.0
+    [line] = mon.check(61.0)
+    assert "the rollout workers are evaluating (main v0 for 230s on 64 held-out tasks)" in line
+    assert "fewer eval.max_tasks" in line and "alive?" not in line
+    busy["now"] = None
+    [line] = mon.check(122.0)
+    assert "are the rollout workers alive?" in line

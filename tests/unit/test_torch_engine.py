@@ -276,6 +276,26 @@ def test_a_groups_shared_prompt_is_prefilled_once_with_the_same_results(engine, 
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_prefix_every_prompt_shares_is_prefilled_once_with_the_same_results(engine, model):
+    """An agent's turns share a long prefix (system message, tools): it is prefilled once and copied to every row;
+    each request still gets the tokens and log-probs it gets alone, whatever the lengths of the rest, and a request
+    whose prompt is the prefix itself plus one token is fine (every row keeps a token of its own)."""
+    from astratk.engines.torch_decode import MIN_SHARED_PREFIX, shared_prefix
+
+    g = torch.Generator().manual_seed(3)
+    head = tuple(torch.randint(4, 60, (MIN_SHARED_PREFIX + 8,), generator=g).tolist())
+    tails = [(7,), (9, 11, 13, 15, 17), (21, 22, 23), (7, 8), (50,) * 9]
+    requests = [req(head + t, temperature=1.0, max_tokens=10, seed=60 + i) for i, t in enumerate(tails)]
+    requests.append(req(head + tails[1], temperature=0.0, max_tokens=6))  # a shared prompt too
+    assert shared_prefix([r.prompt_ids for r in requests]) == len(head)
+    assert shared_prefix([head + (1,), head[:5] + (2,)]) == 0  # too short to be worth it
+    batched = gen(engine, requests)
+    for got, request in zip(batched, requests):
+        [alone] = gen(engine, [request])
+        assert got.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
 def test_n_samples_are_seeded_requests_in_place(engine, prompts):
     """`SamplingParams.n = 4` returns 4 completions in the request's place, equal to 4 requests seeded 9..12."""
     many = gen(engine, [req(prompts[0], max_tokens=3), req(prompts[1], max_tokens=10, seed=9, n=4),
