@@ -3,7 +3,7 @@
 An agent's calls share a long prefix (system message and tool list: ~270 of ~380 tokens for the price-total agent
 on SmolLM2-135M-Instruct, whose tools go in the system message). The engine prefills that prefix once per batch and
 copies its cache to every row. This times one batch of `--rows` second-turn prompts both ways (alternating, `--rounds`
-times each) on one torch thread, as a rollout worker runs, and checks that the sampled tokens are the same.
+times each) on one torch thread, as a rollout worker runs, and counts the rows whose sampled tokens agree.
 
     python bench/shared_prefix.py --rows 32 --rounds 2
 """
@@ -58,8 +58,10 @@ def main() -> None:
     for mode, ts in times.items():
         print(f"{mode:>14}: batch in {statistics.median(ts):.2f} s (median of {len(ts)}: "
               f"{', '.join(f'{t:.2f}' for t in ts)})")
-    print(f"speed-up {statistics.median(times['off']) / statistics.median(times['shared prefix']):.2f}x; "
-          f"same tokens: {tokens['off'] == tokens['shared prefix']}")
+    same = sum(a == b for a, b in zip(tokens["off"], tokens["shared prefix"]))
+    print(f"speed-up {statistics.median(times['off']) / statistics.median(times['shared prefix']):.2f}x; rows with "
+          f"the same sampled tokens both ways: {same}/{len(requests)} (log-probs move ~1e-5 with a batch's layout, "
+          "as between any two batch compositions, and a sample at temperature 1 can flip where two tokens tie)")
 
 
 if __name__ == "__main__":
