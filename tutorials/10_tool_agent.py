@@ -91,9 +91,10 @@ spec = RunSpec(
         trainer=TrainerSpec(max_time_s=360, groups_per_step=4, lr=5e-4, checkpoint_every=None))],
     rollout=RolloutSpec(group_size=8, max_new_tokens=96, temperature=1.0, tasks_per_chunk=4),
     eval=EvalSpec(interval_s=60, max_tasks=64))
-if short_mode():  # the suite's smoke budget: one supervised step on two demonstrations, two RL steps
-    spec = smoke(spec, steps=2, heldout=2, max_new_tokens=32)
+if short_mode():  # the suite's smoke budget: one supervised step on two demonstrations, one RL step of two groups
+    spec = smoke(spec, steps=1, heldout=2, max_new_tokens=32)
     spec.policies[0].model.warm_start = WarmStartSpec(steps=1, batch=2, target=None, heldout=1)
+    spec.policies[0].trainer.groups_per_step = 2
 run = astratk.Run(spec)
 
 # %% [markdown]
