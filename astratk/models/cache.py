@@ -23,8 +23,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +33,7 @@ from transformers.utils import logging as hf_logging
 import astratk.models.warm_start as ws
 from astratk.config import to_plain as plain_config  # the class_path / init_args view of a plug-in instance
 from astratk.contracts import Env
+from astratk.models.build_once import MARKER, build_once
 from astratk.models.gguf import gguf_directory, resolve_gguf_file
 from astratk.models.hub import resolve
 from astratk.models.pretrained_warm import warm_started
@@ -45,7 +44,6 @@ from astratk.spec import ModelSpec, TinyModelSpec
 from astratk.spec.model import cache_root, is_pypi_path
 
 KIT_VERSION = 1  # bump when the tokenizer, the model builder or the warm-start recipe changes
-MARKER = "warm_start.json"  # written last: its presence means the directory is a complete model
 
 
 def model_key(tiny: TinyModelSpec, env: Env) -> str:
@@ -78,16 +76,9 @@ def ensure_model(model_spec: ModelSpec, env: Env, cache_dir: str | os.PathLike |
         acc = json.loads((final / MARKER).read_text()).get("heldout_accuracy", float("nan"))
         log(f"reusing tiny model {final} (held-out accuracy {acc:.1%})")
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    mask = os.umask(0o022)  # mkdtemp makes 0700: a cached model is for others (and other users' runs) to read
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)
-    try:
-        _build(tiny, env, key, tmp, log)
-        _publish(tmp, final, log)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    if build_once(final, lambda tmp: _build(tiny, env, key, tmp, log), log):
+        record = json.loads((final / MARKER).read_text())
+        log(f"saved tiny model {final} (held-out accuracy {record['heldout_accuracy']:.1%}, {record['seconds']} s)")
     return final
 
 
@@ -138,18 +129,3 @@ def _no_progress_bar() -> Iterator[None]:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-def _publish(tmp: Path, final: Path, log: Callable[[str], None]) -> None:
-    """Rename the finished build into place; if another process finished first, keep theirs."""
-    if final.exists() and not (final / MARKER).is_file():
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover (not ours to keep)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not (final / MARKER).is_file():
-            raise
-        log(f"another process built {final} first; using it")
-        return
-    record = json.loads((final / MARKER).read_text())
-    log(f"saved tiny model {final} (held-out accuracy {record['heldout_accuracy']:.1%}, {record['seconds']} s)")

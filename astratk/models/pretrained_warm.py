@@ -28,8 +28,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,12 +40,12 @@ import astratk.models.warm_start as ws
 from astratk.config import to_plain as plain_config
 from astratk.contracts import Env
 from astratk.cpu import cores
+from astratk.models.build_once import MARKER, build_once
 from astratk.models.loading import load_tokenizer
 from astratk.spec import WarmStartSpec
 from astratk.spec.model import cache_root
 
 RECIPE_VERSION = 1  # bump when the warm-start recipe changes, so that older caches are not reused
-MARKER = "warm_start.json"  # written last: its presence means the directory is a complete model
 
 
 def warm_key(base: Path, spec: WarmStartSpec, env: Env) -> str:
@@ -65,22 +63,10 @@ def warm_started(base: Path, spec: WarmStartSpec, env: Env, cache_dir: str | os.
     """The warm-started model directory for `base` (built once; see the module docstring)."""
     key = warm_key(base, spec, env)
     final = cache_root(cache_dir) / "models" / f"warm-{key}"
-    if (final / MARKER).is_file():
+    if not build_once(final, lambda tmp: _build(base, spec, env, tmp, log), log):
         record = json.loads((final / MARKER).read_text())
         log(f"reusing warm-started model {final} ({record.get('steps')} steps on {record.get('env_name')!r}'s "
             f"demonstrations, held-out {record.get('heldout_accuracy', float('nan')):.1%})")
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        _build(base, spec, env, tmp, log)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process finished the same key first: keep its copy
-            if not (final / MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -1,0 +1,40 @@
+"""A model directory built once into the cache: in a temporary sibling renamed into place only when complete (a marker
+file, written last, says so), so a killed build never leaves a half model and two processes racing on one directory
+both end with a whole one. The tiny model (`astratk.models.cache`) and a pretrained model's warm start
+(`astratk.models.pretrained_warm`) are built this way."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+MARKER = "warm_start.json"  # written last by a build: its presence means the directory is a complete model
+
+
+def build_once(final: Path, build: Callable[[Path], None], log: Callable[[str], None]) -> bool:
+    """Run `build(tmp)` (which writes MARKER last) and rename `tmp` to `final`, unless `final` is complete already.
+    Returns whether this call built it (False: it was there, or another process finished first)."""
+    if (final / MARKER).is_file():
+        return False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    mask = os.umask(0o022)  # mkdtemp makes 0700: a cached model is for others (and other users' runs) to read
+    os.umask(mask)
+    os.chmod(tmp, 0o777 & ~mask)
+    try:
+        build(tmp)
+        if final.exists() and not (final / MARKER).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover (not ours to keep)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / MARKER).is_file():
+                raise
+            log(f"another process built {final} first; using it")
+            return False
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
