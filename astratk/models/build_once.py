@@ -1,7 +1,7 @@
 """A model directory built once into the cache: in a temporary sibling renamed into place only when complete (a marker
 file, written last, says so), so a killed build never leaves a half model and two processes racing on one directory
-both end with a whole one. The tiny model (`astratk.models.cache`) and a pretrained model's warm start
-(`astratk.models.pretrained_warm`) are built this way."""
+both end with a whole one. The tiny model (`astratk.models.cache`), a pretrained model's warm start
+(`astratk.models.pretrained_warm`) and a dequantized GGUF file (`astratk.models.gguf`) are built this way."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 MARKER = "warm_start.json"  # written last by a build: its presence means the directory is a complete model
 
 
-def build_once(final: Path, build: Callable[[Path], None], log: Callable[[str], None]) -> bool:
-    """Run `build(tmp)` (which writes MARKER last) and rename `tmp` to `final`, unless `final` is complete already.
+def build_once(final: Path, build: Callable[[Path], None], log: Callable[[str], None], marker: str = MARKER) -> bool:
+    """Run `build(tmp)` (which writes `marker` last) and rename `tmp` to `final`, unless `final` is complete already.
     Returns whether this call built it (False: it was there, or another process finished first)."""
-    if (final / MARKER).is_file():
+    if (final / marker).is_file():
         return False
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -26,12 +26,14 @@ def build_once(final: Path, build: Callable[[Path], None], log: Callable[[str], 
     os.chmod(tmp, 0o777 & ~mask)
     try:
         build(tmp)
-        if final.exists() and not (final / MARKER).is_file():
+        for f in tmp.iterdir():  # safetensors writes 0600: a cached model is for every run to read
+            os.chmod(f, 0o666 & ~mask)
+        if final.exists() and not (final / marker).is_file():
             shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover (not ours to keep)
         try:
             os.replace(tmp, final)
         except OSError:
-            if not (final / MARKER).is_file():
+            if not (final / marker).is_file():
                 raise
             log(f"another process built {final} first; using it")
             return False

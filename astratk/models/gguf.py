@@ -25,13 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from astratk.models.build_once import build_once
 from astratk.models.chat import stop_token_ids
 from astratk.models.pypi import resolve_pypi
 from astratk.spec import StartError
@@ -66,32 +65,17 @@ def gguf_directory(path: str | os.PathLike, *, key: str = "model.path", cache_di
         log(f"reusing {final} (dequantized from {file.name})")
         return final
     arch, types = inspect_gguf(file, key)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700: a cached model is for every run to read
-    try:
+
+    def build(tmp: Path) -> None:
         t0 = time.perf_counter()
         log(f"dequantizing {file.name} ({arch}, {', '.join(sorted(types))}) into {final} ...")
         _convert(file, tmp, key)
         record = {"source": str(file), "sha256": digest, "architecture": arch, "tensor_types": types,
                   "seconds": round(time.perf_counter() - t0, 1)}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        for f in tmp.iterdir():  # safetensors writes 0600: a cached model is for every run to read
-            os.chmod(f, 0o666 & ~mask)
-        if final.exists() and not (final / MARKER).is_file():
-            shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not (final / MARKER).is_file():
-                raise
-            log(f"another process built {final} first; using it")
-            return final
-        log(f"saved {final} ({record['seconds']} s)")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    if build_once(final, build, log, marker=MARKER):
+        log(f"saved {final} ({json.loads((final / MARKER).read_text())['seconds']} s)")
     return final
 
 
