@@ -30,18 +30,24 @@ TOOLS = [{"type": "function", "function": {
 ITEMS_PER_ROW = 4
 
 
+def price_list(rng: random.Random) -> dict[str, int]:
+    """`ITEMS_PER_ROW` distinct item codes like "K7" with prices 10-99, drawn from `rng`."""
+    codes: list[str] = []
+    while len(codes) < ITEMS_PER_ROW:
+        code = rng.choice(string.ascii_uppercase) + str(rng.randint(1, 9))
+        if code not in codes:
+            codes.append(code)
+    return {c: rng.randint(10, 99) for c in codes}
+
+
 def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """`n` questions, each with its own price list of `ITEMS_PER_ROW` items (codes like "K7", prices 10-99: fixed
     widths, so that a character-level model of a few layers learns to copy them)."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
-        codes: list[str] = []
-        while len(codes) < ITEMS_PER_ROW:
-            code = rng.choice(string.ascii_uppercase) + str(rng.randint(1, 9))
-            if code not in codes:
-                codes.append(code)
-        prices = {c: rng.randint(10, 99) for c in codes}
+        prices = price_list(rng)
+        codes = list(prices)
         item = rng.choice(codes)
         key = (item, json.dumps(prices, sort_keys=True))
         if key in seen:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import random
 import re
-import string
 from typing import Any
+
+from astratk.envs.price_lookup import price_list
 
 SYSTEM = "You are a shop assistant. Use the tools to find prices and to add numbers. Reply with the total only."
 TOOLS = [
@@ -36,22 +37,16 @@ TOOLS = [
         "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
                        "required": ["a", "b"]}}},
 ]
-ITEMS_PER_ROW = 4
 MAX_CALLS = 5  # model turns an episode may take
 
 
 def rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`n` distinct questions, each about two items of its own price list (codes like "K7", prices 10-99)."""
+    """`n` distinct questions, each about two items of its own price list (`price_lookup.price_list`)."""
     rng = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
-        codes: list[str] = []
-        while len(codes) < ITEMS_PER_ROW:
-            code = rng.choice(string.ascii_uppercase) + str(rng.randint(1, 9))
-            if code not in codes:
-                codes.append(code)
-        prices = {c: rng.randint(10, 99) for c in codes}
-        items = rng.sample(codes, 2)
+        prices = price_list(rng)
+        items = rng.sample(list(prices), 2)
         key = (tuple(items), json.dumps(prices, sort_keys=True))
         if key in seen:
             continue

@@ -37,20 +37,14 @@ from astratk.quick import short_mode, smoke
 from astratk.spec import EvalSpec, LoraSpec, ModelSpec, PolicySpec, RolloutSpec, RunSpec, TrainerSpec, WarmStartSpec
 
 # %% [markdown]
-# The agent: plain `openai` client code with a system prompt and two function tools, nothing from astratk. It runs
-# every tool call the model makes and sends the results back until the model answers.
+# The agent: plain `openai` client code with a system prompt and two function tools (`lookup(item)` and `add(a, b)`,
+# from `astratk.envs.price_total`), nothing else from astratk. It runs every tool call the model makes and sends the
+# results back until the model answers.
 
 # %%
-SYSTEM = "You are a shop assistant. Use the tools to find prices and to add numbers. Reply with the total only."
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "lookup", "description": "The price of an item.",
-        "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "The sum of two numbers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                       "required": ["a", "b"]}}},
-]
+SYSTEM, TOOLS = price_total.SYSTEM, price_total.TOOLS  # a system prompt and two OpenAI function tools
+print(SYSTEM)
+print(json.dumps(TOOLS, indent=1))
 
 
 def agent(task, base_url, api_key, model):
