@@ -237,8 +237,10 @@ class PoolCluster(SpecCluster):
         if (back or self._lost.get(name) != address or self.status in (Status.closing, Status.closed)
                 or self.workers.get(name) is not nanny or name not in self.worker_spec):  # scaled away meanwhile
             return
+        # a process already `running` has registered with the scheduler, but the cluster's copy of the scheduler's
+        # worker list may not hold it yet (its "add" arrives on another stream): it is back, not lost
         restarting = (nanny.status == Status.running and nanny.process is not None
-                      and nanny.process.status in (Status.starting, Status.stopped, Status.init))
+                      and nanny.process.status in (Status.starting, Status.stopped, Status.init, Status.running))
         log = logging.getLogger(__name__)
         if restarting and waited < RESTART_PATIENCE:
             log.warning("worker %s: its nanny has been restarting it for %.0f s (a fresh process imports torch and the "
