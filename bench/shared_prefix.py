@@ -46,13 +46,14 @@ def main() -> None:
     times: dict[str, list[float]] = {"shared prefix": [], "off": []}
     tokens: dict[str, list[tuple[int, ...]]] = {}
     minimum = torch_decode.MIN_SHARED_PREFIX
-    with TorchEngine(str(model_dir), max_batch=args.rows) as engine:
+    # the prefix cache (bench/prefix_cache.py) would serve every round after the first: off, to time the prefill
+    with TorchEngine(str(model_dir), max_batch=args.rows, enable_prefix_caching=False) as engine:
         for _ in range(args.rounds):
-            for mode in times:
+            for mode, ts in times.items():
                 torch_decode.MIN_SHARED_PREFIX = minimum if mode == "shared prefix" else 1 << 30
                 t = time.perf_counter()
                 out = asyncio.run(engine.generate(requests))
-                times[mode].append(time.perf_counter() - t)
+                ts.append(time.perf_counter() - t)
                 tokens[mode] = [c.token_ids for c in out]
     torch_decode.MIN_SHARED_PREFIX = minimum
     for mode, ts in times.items():

@@ -15,6 +15,7 @@ import torch
 
 from astratk.contracts import Completion, GenerationRequest
 from astratk.engines.torch_kvcache import new_cache
+from astratk.engines.torch_prefix_cache import PrefixCache
 from astratk.engines.torch_sampling import _sample, _text_stop_hits, _TextStops, _topk_logprobs
 from astratk.engines.torch_weights import InflightPacing
 from astratk.models.kvcache import cache_kwargs
@@ -51,30 +52,52 @@ def shared_prefix(prompts: list[tuple[int, ...]]) -> int:
     return c if c >= MIN_SHARED_PREFIX else 0
 
 
-def _padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device):
-    """Prompt ids [B, P], attention mask [B, P + new_tokens] (0 on padding), prompt lengths [B] and the shared prefix's
-    length c. Each row is the shared prefix, then padding, then the rest of its prompt (right-aligned at P): with no
-    shared prefix that is plain left padding. Padding inside a row is masked like padding at its start, and positions
+def _padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.device, cached: list[int]):
+    """Prompt ids [B, P], attention mask [B, P + new_tokens] (0 on padding), prompt lengths [B], the shared prefix's
+    length c and the width w of the reused prefixes. Each row is the shared prefix, then padding, then the rest of its
+    prompt (right-aligned at P): with no shared prefix that is plain left padding. With rows whose first `cached[i]`
+    tokens come from the prefix cache, each row is instead its cached prefix right-aligned at w = max(cached), then the
+    rest right-aligned at P (c is then 0). Padding inside a row is masked like padding at its start, and positions
     count real tokens only, so a row computes what it would alone."""
-    c = shared_prefix(prompts)
-    p = max(map(len, prompts))
-    ids = torch.tensor([list(x[:c]) + [0] * (p - len(x)) + list(x[c:]) for x in prompts], device=device)
+    w = max(cached, default=0)
+    if w:
+        r = max(len(x) - m for x, m in zip(prompts, cached))
+        rows = [([0] * (w - m) + list(x[:m]) + [0] * (r - len(x) + m) + list(x[m:]),
+                 [0] * (w - m) + [1] * m + [0] * (r - len(x) + m) + [1] * (len(x) - m)) for x, m in zip(prompts, cached)]
+        c, p = 0, w + r
+    else:
+        c, p = shared_prefix(prompts), max(map(len, prompts))
+        rows = [(list(x[:c]) + [0] * (p - len(x)) + list(x[c:]), [1] * c + [0] * (p - len(x)) + [1] * (len(x) - c))
+                for x in prompts]
+    ids = torch.tensor([ids for ids, _ in rows], device=device)
     mask = torch.ones(len(prompts), p + new_tokens, dtype=torch.long, device=device)
-    mask[:, :p] = torch.tensor([[1] * c + [0] * (p - len(x)) + [1] * (len(x) - c) for x in prompts], device=device)
-    return ids, mask, torch.tensor([len(x) for x in prompts], device=device), c
+    mask[:, :p] = torch.tensor([m for _, m in rows], device=device)
+    return ids, mask, torch.tensor([len(x) for x in prompts], device=device), c, w
 
 
 class _Batch:
     """One batch's tensors on `device`: prompts, per-row settings, the KV cache and the outputs [B, N]. Finished rows
-    are compacted away; `rows` maps the rows still decoding to their request's index (the outputs' row)."""
+    are compacted away; `rows` maps the rows still decoding to their request's index (the outputs' row).
+
+    With a `PrefixCache` (`torch_prefix_cache`), rows whose prompt extends a sequence run before start from its K/V,
+    and each finished row's sequence is kept for later batches (`harvest`) unless `keep` was turned off (a weight load
+    between decode steps: its K/V mixes versions)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest],
-                 seeds: torch.Tensor, device: torch.device) -> None:
+                 seeds: torch.Tensor, device: torch.device, prefix_cache: PrefixCache | None = None,
+                 tag: tuple = ()) -> None:
         self.model, self.tokenizer, self.requests, dev = model, tokenizer, requests, device
         self.n = max(r.params.max_tokens for r in requests)
         self.k = max(r.params.top_k_logprobs for r in requests)
+        prompts = [tuple(r.prompt_ids) for r in requests]
+        if prefix_cache is not None and not PrefixCache.supports(new_cache(model, 1)):
+            prefix_cache = None
+        self.prefix_cache, self.tag, self.keep = prefix_cache, tag, prefix_cache is not None
+        hits = prefix_cache.lookup(tag, prompts) if prefix_cache is not None else [(None, 0)] * len(prompts)
+        self.hits = [kv for kv, _ in hits]  # per row: the reused prefix's K/V per layer, or None
         # [B, P], [B, P+N], [B]
-        self.ids, self.mask, self.next_pos, self.prefix = _padded([tuple(r.prompt_ids) for r in requests], self.n, dev)
+        self.ids, self.mask, self.next_pos, self.prefix, self.reused = _padded(prompts, self.n, dev,
+                                                                               [m for _, m in hits])
         self.p = self.ids.shape[1]
         self.temps = torch.tensor([r.params.temperature for r in requests], device=dev)  # [B]
         self.budgets = torch.tensor([r.params.max_tokens for r in requests], device=dev)  # [B]
@@ -88,20 +111,26 @@ class _Batch:
         """The prompts through the model into the cache; returns the last logits [B, V]. Equal prompts (a group's
         samples) are prefilled once; their cache rows and last logits are then indexed out per request, which is what
         each row's own prefill would compute. A prefix all prompts share (an agent's system message and tools) is
-        prefilled once, on one row, and its cache copied to every row before the rest of each prompt."""
-        requests, dev, p, c = self.requests, self.ids.device, self.p, self.prefix
+        prefilled once, on one row, and its cache copied to every row before the rest of each prompt. Rows with a
+        reused prefix start from its K/V and prefill only the rest (then no shared prefix is looked for)."""
+        requests, dev, p, c, w = self.requests, self.ids.device, self.p, self.prefix, self.reused
         pos = (self.mask[:, :p].cumsum(1) - 1).clamp(min=0)
         first: dict[tuple[int, ...], int] = {}  # prompt -> its first row
         for i, r in enumerate(requests):
             first.setdefault(tuple(r.prompt_ids), i)
         shared = len(first) < len(requests)
         unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
-        if c:
+        if w:
+            for j, layer in enumerate(self.cache.layers):
+                layer.preload([None if self.hits[i] is None else self.hits[i][j] for i in first.values()], w)
+        elif c:
             self.model(input_ids=self.ids[:1, :c], attention_mask=self.mask[:1, :c], position_ids=pos[:1, :c],
                        use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache))
             self.cache.batch_select_indices(torch.zeros(len(first), dtype=torch.long, device=dev))  # [U] copies
-        logits = self.model(input_ids=self.ids[unique, c:], attention_mask=self.mask[unique, :p],
-                            position_ids=pos[unique, c:], use_cache=True, logits_to_keep=1,
+        self.hits = None
+        start = w or c
+        logits = self.model(input_ids=self.ids[unique, start:], attention_mask=self.mask[unique, :p],
+                            position_ids=pos[unique, start:], use_cache=True, logits_to_keep=1,
                             **cache_kwargs(self.model, self.cache)).logits[:, -1]  # [U, V]
         if shared:
             slot = {prompt: j for j, prompt in enumerate(first)}
@@ -146,12 +175,25 @@ class _Batch:
         rows kept."""
         if 4 * (len(self.rows) - n_alive) < len(self.rows):
             return tok
+        self.harvest((~self.alive).nonzero().squeeze(1).tolist())
         keep = self.alive.nonzero().squeeze(1)
         self.cache.batch_select_indices(keep)
         (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text, self.next_pos, self.mask, tok,
          self.alive) = (x[keep] for x in (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text,
                                           self.next_pos, self.mask, tok, self.alive))
         return tok
+
+    def harvest(self, finished: list[int]) -> None:
+        """Keep the sequences of finished rows (indices into the batch as it stands) in the prefix cache: the prompt and
+        every generated token but the last, the ones fed through the model."""
+        if not self.keep:
+            return
+        for j in finished:
+            i, n = int(self.rows[j]), int(self.lengths[self.rows[j]])
+            fed = torch.arange(self.p, self.p + n - 1, device=self.mask.device)
+            positions = torch.cat([self.mask[j, :self.p].nonzero().squeeze(1), fed])
+            tokens = list(self.requests[i].prompt_ids) + self.out_tokens[i, :n - 1].tolist()
+            self.prefix_cache.put(self.tag, tokens, [layer.row(j, positions) for layer in self.cache.layers])
 
     def forward(self, tok: torch.Tensor, step: int) -> torch.Tensor:
         """Token `step` of each row through the model (one position, through the cache); returns the next logits."""
@@ -181,12 +223,13 @@ class _Batch:
 
 def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest], seeds: torch.Tensor,
            version: int, *, device: torch.device, stats: dict[str, Any], weight_updates: str,
-           take_loads: Callable[[], int | None]) -> tuple:
+           take_loads: Callable[[], int | None], prefix_cache: PrefixCache | None = None, tag: tuple = ()) -> tuple:
     """Prefill + decode one batch with `version`'s weights. Returns tokens [B, N], logprobs [B, N], lengths [B],
     stopped [B], top-K ids and log-probs [B, N, K] when a request asks for them (else None, None), all on CPU, and the
     version of the weights that produced each step's token ([N]: one version throughout, except in in-flight mode,
-    where `take_loads` lets waiting loads run between two steps and returns the version now served, or None)."""
-    batch = _Batch(model, tokenizer, requests, seeds, device)
+    where `take_loads` lets waiting loads run between two steps and returns the version now served, or None).
+    `prefix_cache`: reuse and keep sequences' K/V across batches, under `tag` (`torch_prefix_cache`)."""
+    batch = _Batch(model, tokenizer, requests, seeds, device, prefix_cache, tag)
     clock = _Clock(stats)  # where the batch's time goes (`stats`)
     logits = batch.prefill()
     clock.lap("prefill_s")
@@ -202,6 +245,7 @@ def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequ
         if pacing.due() and (loaded := take_loads()) is not None and loaded != version:
             version = loaded  # the next tokens come from the new weights
             stats["inflight_loads"] += 1
+            batch.keep = False  # K/V from two versions: nothing of this batch is kept
             if pacing.recompute:
                 started = time.perf_counter()
                 logits = batch.recompute(step)
@@ -211,6 +255,8 @@ def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequ
         logits = batch.forward(tok, step)
         pacing.forwarded()
         clock.lap("forward_s")
+    batch.harvest([j for j in range(len(batch.rows)) if not batch.alive[j]])
+    clock.lap("prefix_s")
     out = batch.results(step_versions)
     clock.lap("output_s")
     return out

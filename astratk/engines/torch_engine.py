@@ -18,6 +18,11 @@ completes one, kept too: only rows that have them decode, each step, a short tai
 (`_text_stop_hits`). Sampling is inverse-CDF on softmax(logits / T), no top-k / top-p (so r = 1 on-policy); T = 0 is
 greedy, scored with the untempered softmax. Behaviour log-probs come from `logprobs_from_logits`, the trainer's formula.
 
+Prefix cache (`torch_prefix_cache`). The K/V of each finished sequence (prompt and generated tokens) are kept across
+batches within `prefix_cache_mb` (`enable_prefix_caching`, vLLM's key, turns it off). A prompt that shares at least
+`MIN_REUSE` tokens with a kept sequence (an agent's next turn, which extends its last one; a new episode, which shares
+its system message and tools) starts from those K/V and prefills only the rest. Rows compute what they would alone.
+
 Devices and memory. `device` (auto, cpu, cuda, cuda:N) and `dtype` (auto, float32, bfloat16, float16) come from
 `rollout.engine_args`; auto is the GPU in bf16 when torch sees one (`astratk.gpu`), else the CPU in fp32. Everything a
 batch computes (ids, masks, the KV cache, seeds, samples) lives on the model's device; results come back to the CPU
@@ -31,8 +36,8 @@ seeds and prompts give equal completions: give each episode of a group its own s
 
 Weights and versions (`torch_weights`). `load_weights` copies tensors into the parameters under the lock a running
 batch holds, so a batch in flight finishes on the weights it started with and every token of a completion carries that
-batch's version. The KV cache lives only inside a batch, so nothing computed under old weights outlives a load, which
-therefore waits for at most the batch in flight. A `SparseDelta` is written in place under the same lock, and only onto
+batch's version. A load drops the prefix cache's entries computed under the old weights (an adapter's load, that
+adapter's), so nothing computed under old weights outlives it, and it waits for at most the batch in flight. A `SparseDelta` is written in place under the same lock, and only onto
 the version it was made from (`base_version` must equal the engine's version when the lock is taken; otherwise the load
 fails and changes nothing, and the caller fetches a full state). Both kinds check names and shapes before the first
 write. With `weight_updates` `inflight` or `inflight_recompute` a load waiting for the lock runs between two decode
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -66,6 +72,7 @@ from astratk.engines.torch_batching import Batcher
 from astratk.engines.torch_decode import completions, decode
 from astratk.engines.torch_kvcache import _GQA_ATTENTION
 from astratk.engines.torch_lora import EngineAdapters
+from astratk.engines.torch_prefix_cache import PrefixCache
 from astratk.engines.torch_sampling import _row_seeds
 from astratk.engines.torch_weights import WEIGHT_UPDATES, WeightLoads, check_load
 from astratk.gpu import check_fraction, reserve_memory, resolve_device, resolve_dtype
@@ -90,7 +97,8 @@ class TorchEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 512, dtype: str = "auto",
                  device: str = "auto", gpu_memory_utilization: float | None = None, version: int = 0,
-                 batch_window_s: float = 0.002, seed: int = 0, weight_updates: str = "between_requests") -> None:
+                 batch_window_s: float = 0.002, seed: int = 0, weight_updates: str = "between_requests",
+                 enable_prefix_caching: bool = True, prefix_cache_mb: float = 1024) -> None:
         # keys as a run config names them (rollout.engine_args), where these arguments come from
         device = resolve_device(device, "rollout.engine_args.device")
         dtype = resolve_dtype(dtype, device, "rollout.engine_args.dtype")
@@ -100,24 +108,26 @@ class TorchEngine:
         has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
         tokenizer = load_tokenizer(path) if has_tokenizer else None  # checked to round-trip text
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
-                    gpu_memory_utilization=gpu_memory_utilization, weight_updates=weight_updates)
+                    gpu_memory_utilization=gpu_memory_utilization, weight_updates=weight_updates,
+                    prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, *, max_batch: int = 512, version: int = 0,
                    batch_window_s: float = 0.002, seed: int = 0, gpu_memory_utilization: float | None = None,
-                   weight_updates: str = "between_requests") -> TorchEngine:
+                   weight_updates: str = "between_requests", enable_prefix_caching: bool = True,
+                   prefix_cache_mb: float = 1024) -> TorchEngine:
         """Serve an in-memory model (on its current device and dtype). The engine puts it in eval mode and, on CPU
         with sdpa attention, switches it to the grouped-K/V variant `_sdpa_gqa` (same outputs, faster decode)."""
         self = cls.__new__(cls)
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
                     gpu_memory_utilization=check_fraction(gpu_memory_utilization,
                                                           "rollout.engine_args.gpu_memory_utilization"),
-                    weight_updates=weight_updates)
+                    weight_updates=weight_updates, prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0)
         return self
 
     def _setup(self, model: torch.nn.Module, tokenizer: Any, *, max_batch: int, version: int,
                batch_window_s: float, seed: int, gpu_memory_utilization: float | None = None,
-               weight_updates: str = "between_requests") -> None:
+               weight_updates: str = "between_requests", prefix_cache_mb: float = 0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if weight_updates not in WEIGHT_UPDATES:
@@ -136,10 +146,11 @@ class TorchEngine:
         self._loads = WeightLoads()  # the weights lock, held by a running batch and by load_weights
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
                        "budget_capped_batches": 0, "inflight_loads": 0, "recompute_s": 0.0,
-                       "prefill_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0}
+                       "prefill_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "prefix_s": 0.0}
         self._batcher = Batcher(max_batch=max_batch, window_s=batch_window_s, loads=self._loads, run=self._run_batch,
                                 fits=self._fits, stop=self.close, stats=self._stats)
         self._memory, self._release_memory = self._budget(gpu_memory_utilization)
+        self._prefix = self._prefix_cache(prefix_cache_mb)
         self._adapters = EngineAdapters(model, self._params, self._loads.lock)  # LoRA adapters (module docstring)
 
     # ------------------------------------------------------------------------------------------------ protocol
@@ -166,7 +177,10 @@ class TorchEngine:
         `forward_s` (one-token decode forwards), `sample_s` (sampling with its log-probs, top-K log-probs, stops),
         `output_s` (results back to the CPU and into completions). On a CPU these are wall times; on a GPU the
         parts run asynchronously and only their sum is meaningful."""
-        return dict(self._stats)
+        out = dict(self._stats)
+        if self._prefix is not None:
+            out.update(self._prefix.stats, prefix_entries=self._prefix.entries, prefix_bytes=self._prefix.bytes)
+        return out
 
     @property
     def memory(self) -> MemoryBudget | None:
@@ -188,6 +202,17 @@ class TorchEngine:
         # A budget the user set is reported where the engine runs (a local cluster's workers print to its console).
         print(budget.describe(self._max_batch), flush=True)
         return budget, release
+
+    def _prefix_cache(self, megabytes: float) -> PrefixCache | None:
+        """The prefix cache (`torch_prefix_cache`): `prefix_cache_mb` MiB, within a GPU budget at most a quarter of
+        what the weights leave (taken from the batches' share); None when 0 or `enable_prefix_caching` is off."""
+        if megabytes < 0:
+            raise ValueError(f"rollout.engine_args.prefix_cache_mb must be >= 0 (0: off), got {megabytes}")
+        nbytes = int(megabytes * 2**20)
+        if self._memory is not None:
+            nbytes = min(nbytes, max(0, self._memory.free_bytes) // 4)
+            self._memory = dataclasses.replace(self._memory, weight_bytes=self._memory.weight_bytes + nbytes)
+        return PrefixCache(nbytes) if nbytes else None
 
     def _fits(self, rows: int, prompt_width: int, new_tokens: int) -> bool:
         """Whether a batch of `rows` rows, prompts padded to `prompt_width`, up to `new_tokens` new tokens, stays
@@ -233,6 +258,8 @@ class TorchEngine:
                 self._version = version
             else:
                 slot.version = version
+            if self._prefix is not None:  # entries computed with the old tensors are stale
+                self._prefix.drop(None if slot is None else (lambda tag: tag[0] != adapter))
 
     @property
     def broken(self) -> RuntimeError | None:
@@ -300,7 +327,8 @@ class TorchEngine:
             seeds = _row_seeds(requests, self._generator).to(self._device)  # [B]
             decoded = decode(self._model, self._tokenizer, requests, seeds, version, device=self._device,
                              stats=self._stats, weight_updates=self.weight_updates,
-                             take_loads=lambda: self._yield_to_loads(adapter))
+                             take_loads=lambda: self._yield_to_loads(adapter), prefix_cache=self._prefix,
+                             tag=(adapter, version, self._version))
         started = time.perf_counter()
         out = completions(requests, decoded)
         s = self._stats

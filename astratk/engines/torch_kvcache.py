@@ -68,6 +68,24 @@ class _GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
+    def preload(self, pieces: list[tuple[torch.Tensor, torch.Tensor] | None], width: int) -> None:
+        """Fill positions [0, `width`) of every row: row i's K/V [H, m_i, D] from `pieces` (a prefix cache's),
+        right-aligned at `width`; zeros where a row has none (its attention mask hides them)."""
+        k0, v0 = next(p for p in pieces if p is not None)
+        self.dtype, self.device = k0.dtype, k0.device
+        self._k = k0.new_zeros(len(pieces), k0.shape[0], self.capacity, k0.shape[-1])
+        self._v = v0.new_zeros(len(pieces), v0.shape[0], self.capacity, v0.shape[-1])
+        for i, piece in enumerate(pieces):
+            if piece is not None:
+                m = piece[0].shape[1]
+                self._k[i, :, width - m:width], self._v[i, :, width - m:width] = piece
+        self.length, self.is_initialized = width, True
+        self.keys, self.values = self._k[:, :, :width], self._v[:, :, :width]
+
+    def row(self, i: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's K/V [H, len(positions), D] at `positions`, copied out."""
+        return self._k[i][:, positions].clone(), self._v[i][:, positions].clone()
+
     def get_seq_length(self) -> int:
         return self.length
 

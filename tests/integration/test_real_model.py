@@ -195,7 +195,7 @@ def test_tools_reach_smollm2_and_its_calls_are_parsed_run_and_answered(smollm2_d
     [traj] = run_episodes(env.rollout(task, {"policy": ScriptedEngine(tok, script)}, sampling,
                                       policy_ids={"policy": "main"}, group_id="L1/0"))
     assert "<tools>" in seen[0] and '"name": "lookup"' in seen[0] and '"name": "add"' in seen[0]  # tools reached it
-    a, b = task_row["items"]
+    a, _ = task_row["items"]
     prices = task_row["prices"]
     assert f"<tool_response>\n{prices[a]}\n</tool_response>" in seen[1]  # both lookups parsed, run and answered
     assert f"<tool_response>\n{task_row['answer']}\n</tool_response>" in seen[2]  # add too

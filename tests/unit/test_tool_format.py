@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from typing import ClassVar
 
 import pytest
 
@@ -143,7 +144,7 @@ def test_envs_that_serve_tools_are_found():
         tool_format = "auto"
 
     class Mixture:
-        envs = {"a": Tools(), "b": object()}
+        envs: ClassVar[dict] = {"a": Tools(), "b": object()}
 
     assert tool_formats_asked(Tools()) == ["auto"] and tool_formats_asked(Mixture()) == ["auto"]
     assert tool_formats_asked(object()) == []

@@ -296,6 +296,41 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once_with_the_same_results(en
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 
 
+def test_a_turn_that_extends_an_earlier_sequence_starts_from_its_cache_with_the_same_results(model):
+    """The prefix cache: an agent's next turn (its prompt, the reply, a few new tokens) prefills only the new tokens;
+    a new episode reuses the common prefix (system message and tools) of any earlier sequence; a batch mixes rows with
+    and without a reused prefix; each request gets the tokens and log-probs an engine without the cache gives it, and
+    a weight load forgets every entry."""
+    g = torch.Generator().manual_seed(9)
+    head = tuple(torch.randint(4, 60, (40,), generator=g).tolist())
+    firsts = [req(head + t, temperature=1.0, max_tokens=12, seed=70 + i, stop_token_ids=(3,))
+              for i, t in enumerate([(5, 6), (7,), (8, 9, 10, 11)])]
+    with TorchEngine.from_model(copy.deepcopy(model), batch_window_s=0.01) as cached, \
+            TorchEngine.from_model(copy.deepcopy(model), enable_prefix_caching=False) as plain:
+        assert "prefix_hits" not in plain.stats
+        turn1 = gen(cached, firsts)
+        assert [c.token_ids for c in turn1] == [c.token_ids for c in gen(plain, firsts)]
+        assert cached.stats["prefix_hits"] == 0 and cached.stats["prefix_entries"] == 3
+        seconds = [req(r.prompt_ids + c.token_ids + (12, 13, 14), temperature=1.0, max_tokens=10, seed=80 + i)
+                   for i, (r, c) in enumerate(zip(firsts, turn1))]
+        fresh = [req(head + (20, 21), temperature=0.0, max_tokens=8), req((30, 31, 32), temperature=0.0, max_tokens=5)]
+        batch = [seconds[0], fresh[0], seconds[1], fresh[1], seconds[2]]
+        got, want = gen(cached, batch), gen(plain, batch)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        stats = cached.stats
+        assert stats["prefix_hits"] == 4  # three next turns and the new episode; the short prompt has nothing to reuse
+        whole = sum(len(r.prompt_ids) + len(c.token_ids) - 1 for r, c in zip(firsts, turn1))
+        assert stats["prefix_tokens_reused"] == whole + len(head)
+        # each next turn supersedes its first turn's entry
+        assert stats["prefix_entries"] == 4, stats
+        cached.load_weights({k: v.clone() for k, v in model.state_dict().items()}, version=1)
+        assert cached.stats["prefix_entries"] == 0 and cached.stats["prefix_bytes"] == 0
+        gen(cached, [seconds[0]])
+        assert cached.stats["prefix_hits"] == 4  # nothing to reuse after the load
+
+
 def test_n_samples_are_seeded_requests_in_place(engine, prompts):
     """`SamplingParams.n = 4` returns 4 completions in the request's place, equal to 4 requests seeded 9..12."""
     many = gen(engine, [req(prompts[0], max_tokens=3), req(prompts[1], max_tokens=10, seed=9, n=4),
