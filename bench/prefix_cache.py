@@ -7,7 +7,7 @@ and a question, on SmolLM2-135M-Instruct. Two engines serve the same episodes wi
 cache and one without, alternating turn by turn, on one torch thread each (as a rollout worker runs). Printed: the
 time per turn both ways, prompt tokens prefilled, and how many sampled completions agree.
 
-    python bench/prefix_cache.py --episodes 32 --turns 3
+    python bench/prefix_cache.py --episodes 32 --turns 3 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=32)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="float32", help="both engines' dtype (rollout.engine_args.dtype)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = gguf_directory(resolve_pypi(SMOLLM2_135M), log=lambda line: None)
@@ -41,14 +42,15 @@ def main() -> None:
     first = [tuple(encode_chat(tok, [{"role": "system", "content": price_total.SYSTEM},
                                      {"role": "user", "content": r["prompt"]}], tools=price_total.TOOLS)) for r in rows]
     stop = tuple(tok.convert_tokens_to_ids(["<|im_end|>"]))
-    engines = {"prefix cache": TorchEngine(str(model_dir), max_batch=args.episodes),
-               "off": TorchEngine(str(model_dir), max_batch=args.episodes, enable_prefix_caching=False)}
+    engines = {"prefix cache": TorchEngine(str(model_dir), max_batch=args.episodes, dtype=args.dtype),
+               "off": TorchEngine(str(model_dir), max_batch=args.episodes, dtype=args.dtype,
+                                  enable_prefix_caching=False)}
     prompts = {mode: list(first) for mode in engines}
     times: dict[str, list[float]] = {mode: [] for mode in engines}
     prefilled: dict[str, int] = dict.fromkeys(engines, 0)
     same = total = 0
     print(f"{args.episodes} episodes x {args.turns} turns, first prompt {statistics.mean(map(len, first)):.0f} tokens, "
-          f"up to {args.new_tokens} new tokens per turn (stop at <|im_end|>), one torch thread per engine")
+          f"up to {args.new_tokens} new tokens per turn (stop at <|im_end|>), {args.dtype}, one torch thread per engine")
     try:
         for turn in range(args.turns):
             outs = {}
@@ -79,8 +81,8 @@ def main() -> None:
     print(f"all turns: prefix cache {on:.2f} s, off {off:.2f} s: {off / on:.2f}x; prompt tokens prefilled "
           f"{prefilled['prefix cache']:,} vs {prefilled['off']:,} ({stats['prefix_hits']} rows reused a prefix, "
           f"{stats['prefix_entries']} entries, {stats['prefix_bytes'] / 2**20:.0f} MiB held)")
-    print(f"completions with the same tokens both ways: {same}/{total} (log-probs move ~1e-5 with a batch's layout; "
-          "a sample at temperature 1 can flip where two tokens tie, and the conversations then part)")
+    print(f"completions with the same tokens both ways: {same}/{total} (log-probs move with a batch's layout, ~1e-5 in float32 and "
+          "~1e-2 in bfloat16; a sample at temperature 1 can flip where two tokens tie, and the conversations then part)")
 
 
 if __name__ == "__main__":

@@ -690,3 +690,44 @@ def test_hundreds_of_episodes_while_weights_load(model, prompts):
             sample = by_state[parity][:40]
             want = gen(ref, [r for r, _ in sample])
             assert [c.token_ids for _, c in sample] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize("mask", ["bool", "float", None])
+def test_bf16_decode_attention_equals_sdpa_on_a_view_of_the_cache(mask):
+    """The bf16 decode step's attention (two matmuls, softmax in fp32) equals torch's sdpa in fp32 on the same inputs
+    to bf16 rounding, with padding masked either way or no mask, on K/V that are views of a larger cache."""
+    import torch.nn.functional as F
+
+    from astratk.engines.torch_kvcache import _decode_attention
+
+    g = torch.Generator().manual_seed(4)
+    b, h, kv, d, n = 3, 6, 2, 16, 21
+    q = torch.randn(b, h, 1, d, generator=g)
+    k_store, v_store = torch.randn(b, kv, n + 7, d, generator=g), torch.randn(b, kv, n + 7, d, generator=g)
+    k, v = k_store[:, :, :n], v_store[:, :, :n]
+    attend = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    attend[0, ..., :5] = False  # left padding of row 0
+    attend[2, ..., 8:10] = False  # padding inside row 2 (a reused prefix, then the rest of its prompt)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=attend if mask else None, scale=0.3,
+                                          enable_gqa=True).transpose(1, 2)
+    given = {"bool": attend, "float": torch.zeros(b, 1, 1, n).masked_fill(~attend, float("-inf")).bfloat16(),
+             None: None}[mask]
+    got = _decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), given, 0.3)
+    assert got.dtype == torch.bfloat16 and got.shape == (b, 1, h, d)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_a_bf16_engine_samples_what_its_model_gives_in_bf16(model, prompts):
+    """A bf16 engine's greedy tokens equal HF's own bf16 forward step by step, and its log-probs agree with them to
+    bf16 rounding (the decode steps go through `_decode_attention`)."""
+    with TorchEngine.from_model(copy.deepcopy(model).bfloat16()) as engine:
+        out = gen(engine, [req(p, temperature=0.0, max_tokens=6) for p in prompts])
+    ref = copy.deepcopy(model).bfloat16()
+    for p, c in zip(prompts, out):
+        ids = torch.tensor([list(p)])
+        for t, lp in zip(c.token_ids, c.logprobs):
+            with torch.inference_mode():
+                logits = ref(input_ids=ids).logits[0, -1].float()
+            assert t == int(logits.argmax()) or logits.max() - logits[t] < 0.1  # a near-tie may flip in bf16
+            assert abs(lp - float(logits.log_softmax(-1)[t])) < 0.05
+            ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
