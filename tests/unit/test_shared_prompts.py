@@ -190,3 +190,40 @@ def test_a_model_that_cannot_continue_from_a_split_cache_falls_back(model_path, 
     with pytest.warns(UserWarning, match="cannot continue a forward from a per-row prompt cache"):
         loss = module.training_step(batch_of(rows_of_groups(), model_path), 0)
     assert module.share_prompts is False and torch.isfinite(loss)
+
+
+def test_in_bf16_the_shared_forward_is_held_to_the_padded_forwards_own_drift(model_path, monkeypatch):
+    """Under bf16 autocast the padded forward itself moves with a batch's layout (each row alone against the batch),
+    by more than a fixed tolerance on a real model (0.18 on SmolLM2 with bf16-mixed): a shared forward that drifts
+    within twice that is kept, one that drifts far more is refused with the warning."""
+    from astratk.training import forwards
+    from astratk.training.logprobs import token_logprobs
+
+    real = prefix.two_pass_logits
+    batch = batch_of(rows_of_groups(), model_path)
+    probe = PolicyModule(model_path, DRPO(delta=0.2), horizon=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        part = forwards.select_rows(batch, torch.arange(3))
+        padded = token_logprobs(probe.model, part.input_ids, part.attention_mask, probe.temperature)
+        # each row alone against a batch's log-probs that are off by 0.3 on every token: the drift found is 0.3
+        noise = probe._layout_noise(part, padded + 0.3)
+    drift = {"scale": 0.1}
+
+    def drifting(model, input_ids, plan):
+        pre, pre_ids, suf, suf_ids = real(model, input_ids, plan)
+        return pre, pre_ids, suf + drift["scale"] * torch.randn_like(suf), suf_ids
+
+    monkeypatch.setattr("astratk.training.logprobs.two_pass_logits", drifting)
+    monkeypatch.setattr(forwards.PolicyForwards, "_layout_noise", lambda self, part, padded: 0.2)
+    module = PolicyModule(model_path, DRPO(delta=0.2), horizon=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        # no fallback warning: the drift is within the padded forward's own
+        warnings.filterwarnings("error", message=".*share_prompts.*")
+        module.training_step(batch, 0)
+    assert module.share_prompts is True
+    drift["scale"] = 5.0
+    refused = PolicyModule(model_path, DRPO(delta=0.2), horizon=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="differ from the padded"):
+        refused.training_step(batch, 0)
+    assert refused.share_prompts is False
+    assert noise == pytest.approx(0.3, abs=0.02)
