@@ -186,7 +186,7 @@ class _Batch:
     def harvest(self, finished: list[int]) -> None:
         """Keep the sequences of finished rows (indices into the batch as it stands) in the prefix cache: the prompt and
         every generated token but the last, the ones fed through the model."""
-        if not self.keep:
+        if not self.keep or not self.prefix_cache.storing:
             return
         for j in finished:
             i, n = int(self.rows[j]), int(self.lengths[self.rows[j]])

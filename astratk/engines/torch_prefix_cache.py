@@ -10,6 +10,9 @@ cache of the shorter prefix.
 Entries are tagged with what computed them (the adapter, its version and the base version): a lookup uses only entries
 of the batch's own tag, and a weight load drops the entries it makes stale. Batches that take a load between two decode
 steps store nothing (their K/V mixes versions). Entries are evicted least recently used first, within `budget_bytes`.
+Keeping a sequence copies its K/V out of the batch; a workload whose prompts never reuse one (single-turn tasks with
+short prompts) would pay that for nothing, so after `patience_rows` rows in a row without a hit the cache stops
+keeping sequences and frees its entries (`stats["prefix_stopped"]` = 1).
 Only models whose every cache layer is the engine's full-attention layer take part (sliding-window layers keep a
 window, not a sequence's whole K/V).
 """
@@ -48,14 +51,20 @@ class PrefixCache:
     (`prefix_tokens_reused`) and all prompt tokens looked up (`prefix_tokens_seen`); `bytes`/`entries` what is held.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, patience_rows: int = 4096) -> None:
         if budget_bytes < 0:
             raise ValueError(f"prefix cache budget must be >= 0 bytes, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes, self.patience_rows = budget_bytes, patience_rows
+        self.rows_since_hit = 0
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         self._next = 0
         self.bytes = 0
-        self.stats = {"prefix_hits": 0, "prefix_tokens_reused": 0, "prefix_tokens_seen": 0}
+        self.stats = {"prefix_hits": 0, "prefix_tokens_reused": 0, "prefix_tokens_seen": 0, "prefix_stopped": 0}
+
+    @property
+    def storing(self) -> bool:
+        """Whether finished sequences are still kept (False once `patience_rows` rows in a row found nothing)."""
+        return not self.stats["prefix_stopped"]
 
     @property
     def entries(self) -> int:
@@ -78,24 +87,29 @@ class PrefixCache:
             self.stats["prefix_tokens_seen"] += len(prompt)
             arr = np.asarray(prompt, dtype=np.int64)
             best, m = None, 0
-            for key, e in mine:
+            for key, e in mine if len(prompt) > MIN_REUSE else ():
                 n = min(_common(e.tokens, arr), len(prompt) - 1)
                 if n > m:
                     best, m = key, n
             if best is None or m < MIN_REUSE:
                 out.append((None, 0))
+                self.rows_since_hit += 1
                 continue
+            self.rows_since_hit = 0
             self._entries.move_to_end(best)
             self.stats["prefix_hits"] += 1
             self.stats["prefix_tokens_reused"] += m
             out.append(([(k[:, :m], v[:, :m]) for k, v in self._entries[best].kv], m))
+        if self.rows_since_hit > self.patience_rows and self.storing:
+            self.stats["prefix_stopped"] = 1
+            self.drop()
         return out
 
     def put(self, tag: tuple, tokens: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Keep `tokens`' K/V (per layer [H, L, D], owned by the cache from now on). A sequence that an entry of the
         same tag already holds whole is not kept twice, and entries that this one extends (an episode's earlier
         turns) are dropped."""
-        if len(tokens) < MIN_REUSE:
+        if len(tokens) < MIN_REUSE or not self.storing:
             return
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
         if nbytes > self.budget_bytes:

@@ -90,3 +90,19 @@ def test_a_lookup_finds_the_longest_common_prefix_and_a_put_supersedes_an_earlie
     assert cache.entries == 1 and cache.bytes == nbytes(first + (3, 3, 1))
     cache.put(tag, list(first), kv_of(first))  # held whole already
     assert cache.entries == 1
+
+
+def test_a_workload_that_never_reuses_a_prefix_stops_paying_for_the_cache() -> None:
+    """Single-turn tasks: after `patience_rows` rows in a row without a hit, sequences are no longer kept and the
+    entries are freed; a hit resets the count."""
+    cache = PrefixCache(1 << 20, patience_rows=5)
+    tag = (None, 0, 0)
+    cache.put(tag, list(HEAD), kv_of(HEAD))
+    assert cache.lookup(tag, [HEAD + (1,)])[0][1] == len(HEAD)  # a hit
+    for i in range(5):
+        cache.lookup(tag, [(9, 9, 9, i)])  # short, unrelated prompts: no hit
+    assert cache.storing and cache.entries == 1
+    cache.lookup(tag, [(8,) * 40])
+    assert not cache.storing and cache.entries == 0 and cache.bytes == 0 and cache.stats["prefix_stopped"] == 1
+    cache.put(tag, list(HEAD), kv_of(HEAD))
+    assert cache.entries == 0
