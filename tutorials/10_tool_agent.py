@@ -18,10 +18,13 @@
 #    probe below says so, with the numbers). `model.warm_start` runs a few supervised steps on the env's
 #    demonstrations first (cached once built); RL then takes it from a partly right start.
 #
-# Honest status on a 2-core laptop CPU: the warm start takes 3-6 minutes once (then it is cached), and the 6 minutes of
-# RL do not yet get past the first held-out evaluation there (each agent turn prefills a ~380-token prompt on one
-# thread): BENCHMARKS.md ("Agents on a real model") has the figures and what would change them. With more cores or a
-# GPU the same code trains. The test suite runs it with `ASTRATK_TUTORIAL_SHORT=1` (a smoke budget).
+# Honest status on a 2-core laptop CPU: the warm start takes 3-6 minutes once (then it is cached), and 6-8 minutes of
+# RL make one or two optimizer steps there. The engine already keeps each episode's K/V between its turns (a turn
+# prefills only its new tokens), but each held-out evaluation holds the one rollout worker for about two minutes and
+# a step of 16 episodes costs about two minutes of one core. On a CPU with bf16 units, `rollout.engine_args:
+# {dtype: bfloat16}` and `trainer.precision: bf16-mixed` roughly halve both. BENCHMARKS.md ("Agents on a real
+# model") has the figures. With more cores or a GPU the same code trains. The test suite runs it with
+# `ASTRATK_TUTORIAL_SHORT=1` (a smoke budget).
 
 # %%
 import json
