@@ -12,6 +12,7 @@ answer correct after the retry; verifier: verdict matches the truth), evaluated 
 
     python bench/async_vs_sync.py                  # 30 steps per policy each mode (~10 min on 2 CPU cores)
     python bench/async_vs_sync.py --steps 10 --heldout 64
+    python bench/async_vs_sync.py --config tutorials/solver_verifier_real_model.yaml --steps 4 --heldout 32
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ CONFIG = Path(__file__).resolve().parent.parent / "tutorials" / "solver_verifier
 
 
 def spec_for(mode: str, args: argparse.Namespace, out: Path):
-    spec = load_spec(CONFIG, ["--output_dir", str(out), "--name", f"bench-{mode}", "--eval.max_tasks",
+    spec = load_spec(args.config, ["--output_dir", str(out), "--name", f"bench-{mode}", "--eval.max_tasks",
                               str(args.heldout), "--eval.interval_s", "100000", "--progress", "false"])
     for p in spec.policies:
         p.trainer.max_steps = args.steps
         p.trainer.max_time_s = None
-        if args.warm_start_steps is not None:
+        if args.warm_start_steps is not None and p.model.tiny is not None:
             p.model.tiny = dataclasses.replace(p.model.tiny, warm_start_steps=args.warm_start_steps,
                                                warm_start_target=None)
     if mode == "sync":
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=128, help="held-out tasks evaluated before and after")
     ap.add_argument("--warm-start-steps", type=int, default=None,
                     help="override the tutorial's warm start (fixed steps, no accuracy target)")
+    ap.add_argument("--config", type=Path, default=CONFIG,
+                    help="the two-policy run (default: the tiny model's; tutorials/solver_verifier_real_model.yaml: "
+                         "two LoRA policies on SmolLM2-135M-Instruct)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,14 +23,16 @@ _Item = tuple[_Call, int]  # (call, request index)
 
 
 class Batcher:
-    """The queue and its worker. `run(requests, adapter)` decodes one batch; `fits(rows, prompt_width, new_tokens)`
-    says whether a batch that size stays in the memory budget; `stop(timeout_s=...)` is the engine's close, called
-    when the worker ends; `stats` gets the `errors` and `budget_capped_batches` counts."""
+    """The queue and its worker. `run(requests, adapters)` decodes one batch (`adapters`: each row's);
+    `fits(rows, prompt_width, new_tokens)` says whether a batch that size stays in the memory budget;
+    `mixes(a, b)` whether rows of adapters `a` and `b` may share a batch; `stop(timeout_s=...)` is the engine's close,
+    called when the worker ends; `stats` gets the `errors` and `budget_capped_batches` counts."""
 
     def __init__(self, *, max_batch: int, window_s: float, loads: WeightLoads,
-                 run: Callable[[list[GenerationRequest], str | None], list[Completion]],
-                 fits: Callable[[int, int, int], bool], stop: Callable[..., None], stats: dict[str, Any]) -> None:
-        self._max_batch, self._window, self._loads = max_batch, window_s, loads
+                 run: Callable[[list[GenerationRequest], list[str | None]], list[Completion]],
+                 fits: Callable[[int, int, int], bool], stop: Callable[..., None], stats: dict[str, Any],
+                 mixes: Callable[[str | None, str | None], bool] = lambda a, b: a == b) -> None:
+        self._max_batch, self._window, self._loads, self._mixes = max_batch, window_s, loads, mixes
         self._run, self._fits, self._stop, self._stats = run, fits, stop, stats
         self._cond = threading.Condition()  # guards the queue and `closed`
         self._pending: collections.deque[_Item] = collections.deque()
@@ -73,7 +75,7 @@ class Batcher:
     def _serve_batch(self, items: list[_Item]) -> None:
         """Run one batch; an exception goes to the calls in it, and the worker carries on."""
         try:
-            completions = self._run([call.requests[i] for call, i in items], items[0][0].adapter)
+            completions = self._run([call.requests[i] for call, i in items], [call.adapter for call, _ in items])
         except Exception as e:  # noqa: BLE001 - the batch's callers get it; the worker keeps serving
             self._stats["errors"] += 1
             for call in {id(c): c for c, _ in items}.values():
@@ -119,7 +121,8 @@ class Batcher:
     def _pick(self) -> list[_Item]:
         """Under the queue's lock: the batch, from the front of the queue. A batch runs rows of one adapter (or of the
         base alone): the oldest queued request's, and the queued requests of that adapter, so each adapter keeps its
-        requests' order and none waits behind more than the batches ahead of it. The rest goes back, in order."""
+        requests' order and none waits behind more than the batches ahead of it; adapters that `mixes` the first
+        request's share its batch (`torch_lora_mix`). The rest goes back, in order."""
         items: list[_Item] = []
         others: collections.deque[_Item] = collections.deque()  # other adapters' requests
         full = False  # the memory budget holds no more rows: the rest waits for the next batch, in order
@@ -130,7 +133,7 @@ class Batcher:
                 continue
             r = call.requests[i]
             wider, longer = max(width, len(r.prompt_ids)), max(new, r.params.max_tokens)
-            if items and call.adapter != items[0][0].adapter:  # a batch runs one adapter's rows
+            if items and call.adapter != items[0][0].adapter and not self._mixes(items[0][0].adapter, call.adapter):
                 others.append((call, i))
             elif items and (full or not self._fits(len(items) + 1, wider, longer)):
                 full = True

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from astratk.contracts import Completion, GenerationRequest
 from astratk.engines.torch_kvcache import new_cache
+from astratk.engines.torch_lora_mix import MixedLora
 from astratk.engines.torch_prefix_cache import PrefixCache
 from astratk.engines.torch_sampling import _sample, _text_stop_hits, _TextStops, _topk_logprobs
 from astratk.engines.torch_weights import InflightPacing
@@ -81,19 +83,30 @@ class _Batch:
 
     With a `PrefixCache` (`torch_prefix_cache`), rows whose prompt extends a sequence run before start from its K/V,
     and each finished row's sequence is kept for later batches (`harvest`) unless `keep` was turned off (a weight load
-    between decode steps: its K/V mixes versions)."""
+    between decode steps: its K/V mixes versions).
+
+    With a `MixedLora` (`torch_lora_mix`), the rows run different LoRA adapters in one forward: `slots` names each
+    request's PEFT slot (None: the base), rows grouped by slot, and `tags` each row's prefix-cache tag. A prefix all
+    prompts share is then prefilled once per adapter, and equal prompts share a prefill only within an adapter."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest],
                  seeds: torch.Tensor, device: torch.device, prefix_cache: PrefixCache | None = None,
-                 tag: tuple = ()) -> None:
+                 tags: list[tuple] | None = None, mix: MixedLora | None = None,
+                 slots: list[str | None] | None = None) -> None:
         self.model, self.tokenizer, self.requests, dev = model, tokenizer, requests, device
+        self.mix, self.slots = mix, slots if mix is not None else [None] * len(requests)
         self.n = max(r.params.max_tokens for r in requests)
         self.k = max(r.params.top_k_logprobs for r in requests)
         prompts = [tuple(r.prompt_ids) for r in requests]
         if prefix_cache is not None and not PrefixCache.supports(new_cache(model, 1)):
             prefix_cache = None
-        self.prefix_cache, self.tag, self.keep = prefix_cache, tag, prefix_cache is not None
-        hits = prefix_cache.lookup(tag, prompts) if prefix_cache is not None else [(None, 0)] * len(prompts)
+        self.prefix_cache, self.keep = prefix_cache, prefix_cache is not None
+        self.tags = tags if tags is not None else [()] * len(requests)
+        hits: list[tuple[Any, int]] = [(None, 0)] * len(prompts)
+        for tag in dict.fromkeys(self.tags) if prefix_cache is not None else ():  # one lookup per tag, in row order
+            rows = [i for i, t in enumerate(self.tags) if t == tag]
+            for i, hit in zip(rows, prefix_cache.lookup(tag, [prompts[i] for i in rows])):
+                hits[i] = hit
         self.hits = [kv for kv, _ in hits]  # per row: the reused prefix's K/V per layer, or None
         # [B, P], [B, P+N], [B]
         self.ids, self.mask, self.next_pos, self.prefix, self.reused = _padded(prompts, self.n, dev,
@@ -113,32 +126,48 @@ class _Batch:
         each row's own prefill would compute. A prefix all prompts share (an agent's system message and tools) is
         prefilled once, on one row, and its cache copied to every row before the rest of each prompt. Rows with a
         reused prefix start from its K/V and prefill only the rest (then no shared prefix is looked for)."""
-        requests, dev, p, c, w = self.requests, self.ids.device, self.p, self.prefix, self.reused
+        requests, dev, p, c, w, slots = self.requests, self.ids.device, self.p, self.prefix, self.reused, self.slots
         pos = (self.mask[:, :p].cumsum(1) - 1).clamp(min=0)
-        first: dict[tuple[int, ...], int] = {}  # prompt -> its first row
+        first: dict[tuple, int] = {}  # (slot, prompt) -> its first row
         for i, r in enumerate(requests):
-            first.setdefault(tuple(r.prompt_ids), i)
+            first.setdefault((slots[i], tuple(r.prompt_ids)), i)
         shared = len(first) < len(requests)
         unique = torch.tensor(list(first.values()), device=dev) if shared else slice(None)  # [U] rows
         if w:
             for j, layer in enumerate(self.cache.layers):
                 layer.preload([None if self.hits[i] is None else self.hits[i][j] for i in first.values()], w)
-        elif c:
-            self.model(input_ids=self.ids[:1, :c], attention_mask=self.mask[:1, :c], position_ids=pos[:1, :c],
-                       use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, self.cache))
-            self.cache.batch_select_indices(torch.zeros(len(first), dtype=torch.long, device=dev))  # [U] copies
+        elif c:  # once per adapter: the first row of each adapter's rows, then copied to that adapter's rows
+            leads: list[int] = []  # per adapter: its first row
+            group: list[int] = []  # per unique row: its adapter's index in `leads`
+            for i in first.values():
+                if not leads or slots[i] != slots[leads[-1]]:
+                    leads.append(i)
+                group.append(len(leads) - 1)
+            self._rows([slots[i] for i in leads])
+            self.model(input_ids=self.ids[leads, :c], attention_mask=self.mask[leads, :c],
+                       position_ids=pos[leads, :c], use_cache=True, logits_to_keep=1,
+                       **cache_kwargs(self.model, self.cache))
+            self.cache.batch_select_indices(torch.tensor(group, device=dev))  # [U] copies of its adapter's prefix
         self.hits = None
         start = w or c
+        self._rows([slots[i] for i in first.values()])
         logits = self.model(input_ids=self.ids[unique, start:], attention_mask=self.mask[unique, :p],
                             position_ids=pos[unique, start:], use_cache=True, logits_to_keep=1,
                             **cache_kwargs(self.model, self.cache)).logits[:, -1]  # [U, V]
         if shared:
-            slot = {prompt: j for j, prompt in enumerate(first)}
-            expand = torch.tensor([slot[tuple(r.prompt_ids)] for r in requests], device=dev)  # [B] -> its prompt
+            slot = {key: j for j, key in enumerate(first)}
+            expand = torch.tensor([slot[(slots[i], tuple(r.prompt_ids))] for i, r in enumerate(requests)],
+                                  device=dev)  # [B] -> its prompt
             self.cache.batch_select_indices(expand)
             logits = logits[expand]  # [B, V]
+        self._rows(slots)
         self._outputs()
         return logits
+
+    def _rows(self, slots: list[str | None]) -> None:
+        """The adapter of each row of the next forward (a mixed batch only)."""
+        if self.mix is not None:
+            self.mix.set_rows(slots)
 
     def _outputs(self) -> None:
         """The outputs and the per-row state of decoding, allocated once the prefill's activations are gone."""
@@ -181,6 +210,7 @@ class _Batch:
         (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text, self.next_pos, self.mask, tok,
          self.alive) = (x[keep] for x in (self.rows, self.temps, self.seeds, self.budgets, self.stops, self.wants_text,
                                           self.next_pos, self.mask, tok, self.alive))
+        self._rows([self.slots[i] for i in self.rows.tolist()])
         return tok
 
     def harvest(self, finished: list[int]) -> None:
@@ -193,7 +223,7 @@ class _Batch:
             fed = torch.arange(self.p, self.p + n - 1, device=self.mask.device)
             positions = torch.cat([self.mask[j, :self.p].nonzero().squeeze(1), fed])
             tokens = list(self.requests[i].prompt_ids) + self.out_tokens[i, :n - 1].tolist()
-            self.prefix_cache.put(self.tag, tokens, [layer.row(j, positions) for layer in self.cache.layers])
+            self.prefix_cache.put(self.tags[i], tokens, [layer.row(j, positions) for layer in self.cache.layers])
 
     def forward(self, tok: torch.Tensor, step: int) -> torch.Tensor:
         """Token `step` of each row through the model (one position, through the cache); returns the next logits."""
@@ -223,13 +253,26 @@ class _Batch:
 
 def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequest], seeds: torch.Tensor,
            version: int, *, device: torch.device, stats: dict[str, Any], weight_updates: str,
-           take_loads: Callable[[], int | None], prefix_cache: PrefixCache | None = None, tag: tuple = ()) -> tuple:
+           take_loads: Callable[[], int | None], prefix_cache: PrefixCache | None = None,
+           tags: list[tuple] | None = None, mix: MixedLora | None = None, slots: list[str | None] | None = None
+           ) -> tuple:
     """Prefill + decode one batch with `version`'s weights. Returns tokens [B, N], logprobs [B, N], lengths [B],
     stopped [B], top-K ids and log-probs [B, N, K] when a request asks for them (else None, None), all on CPU, and the
     version of the weights that produced each step's token ([N]: one version throughout, except in in-flight mode,
     where `take_loads` lets waiting loads run between two steps and returns the version now served, or None).
-    `prefix_cache`: reuse and keep sequences' K/V across batches, under `tag` (`torch_prefix_cache`)."""
-    batch = _Batch(model, tokenizer, requests, seeds, device, prefix_cache, tag)
+    `prefix_cache`: reuse and keep sequences' K/V across batches, under each row's tag in `tags`
+    (`torch_prefix_cache`). `mix`, `slots`: a batch whose rows run different LoRA adapters (`_Batch`); weights are
+    then never loaded mid-batch."""
+    if mix is not None and weight_updates != "between_requests":
+        raise ValueError("a batch that mixes adapters takes no weight load between decode steps")
+    batch = _Batch(model, tokenizer, requests, seeds, device, prefix_cache, tags, mix, slots)
+    with mix.applied() if mix is not None else contextlib.nullcontext():
+        return _steps(batch, version, stats, weight_updates, take_loads)
+
+
+def _steps(batch: _Batch, version: int, stats: dict[str, Any], weight_updates: str,
+           take_loads: Callable[[], int | None]) -> tuple:
+    """`decode`'s loop: the prefill, then sample and forward one token at a time, taking loads where due."""
     clock = _Clock(stats)  # where the batch's time goes (`stats`)
     logits = batch.prefill()
     clock.lap("prefill_s")
@@ -262,9 +305,11 @@ def decode(model: torch.nn.Module, tokenizer: Any, requests: list[GenerationRequ
     return out
 
 
-def completions(requests: list[GenerationRequest], decoded: tuple) -> list[Completion]:
+def completions(requests: list[GenerationRequest], decoded: tuple, row_versions: list[int] | None = None
+                ) -> list[Completion]:
     """One `Completion` per request from `decode`'s results: its tokens up to its length, their log-probs, versions
-    and top-K log-probs (when it asked for them), and why it ended."""
+    and top-K log-probs (when it asked for them), and why it ended. `row_versions`: each row's version throughout (a
+    batch that mixes adapters: each row carries its adapter's) instead of the batch's per step."""
     tokens, logprobs, lengths, stopped, top_ids, top_lp, step_versions = decoded
     tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
     top_ids, top_lp = (top_ids.tolist(), top_lp.tolist()) if top_ids is not None else (None, None)
@@ -273,6 +318,7 @@ def completions(requests: list[GenerationRequest], decoded: tuple) -> list[Compl
         k = requests[i].params.top_k_logprobs
         topk = ((tuple(tuple(row[:k]) for row in top_ids[i][:n]), tuple(tuple(row[:k]) for row in top_lp[i][:n]))
                 if k and top_ids is not None else ((), ()))
-        out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), tuple(step_versions[:n]),
+        versions = tuple(step_versions[:n]) if row_versions is None else (row_versions[i],) * n
+        out.append(Completion(tuple(tokens[i][:n]), tuple(logprobs[i][:n]), versions,
                               "stop" if stopped[i] else "length", *topk))
     return out

@@ -45,9 +45,11 @@ steps instead, and the tokens after it carry the new version.
 
 LoRA adapters (`torch_lora`). `add_adapter(name, lora, state, version)` attaches a PEFT LoRA adapter to the model (the
 base is held once, however many adapters) and returns its `AdapterView` (`astratk.engines.adapters`), whose requests
-name the adapter. A batch runs rows of one adapter (or of the base alone): the batcher takes the oldest queued
-request's adapter and the queued requests of that adapter, so each adapter keeps its requests' order and none waits
-behind more than the batches ahead of it. An adapter's `load_weights` (its tensors by saved PEFT name, or a
+name the adapter. With `mix_adapters` (the default; weight_updates between_requests) requests of every adapter and of
+the base share a batch: one base forward for all rows, each adapter's LoRA matmuls on its own rows, as multi-LoRA
+servers do (`torch_lora_mix`; plain LoRA on linear layers, other adapters batch alone). Otherwise a batch runs rows of
+one adapter: the batcher takes the oldest queued request's adapter and the queued requests of that adapter, so each
+adapter keeps its requests' order and none waits behind more than the batches ahead of it. An adapter's `load_weights` (its tensors by saved PEFT name, or a
 `SparseDelta` from its version) takes the same lock, so the guarantees above hold per adapter and every token carries
 the version of its adapter. An engine without adapters runs exactly as before.
 """
@@ -72,6 +74,7 @@ from astratk.engines.torch_batching import Batcher
 from astratk.engines.torch_decode import completions, decode
 from astratk.engines.torch_kvcache import _GQA_ATTENTION
 from astratk.engines.torch_lora import EngineAdapters
+from astratk.engines.torch_lora_mix import MixedLora, order
 from astratk.engines.torch_prefix_cache import PrefixCache
 from astratk.engines.torch_sampling import _row_seeds
 from astratk.engines.torch_weights import WEIGHT_UPDATES, WeightLoads, check_load
@@ -98,7 +101,7 @@ class TorchEngine:
     def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 512, dtype: str = "auto",
                  device: str = "auto", gpu_memory_utilization: float | None = None, version: int = 0,
                  batch_window_s: float = 0.002, seed: int = 0, weight_updates: str = "between_requests",
-                 enable_prefix_caching: bool = True, prefix_cache_mb: float = 1024) -> None:
+                 enable_prefix_caching: bool = True, prefix_cache_mb: float = 1024, mix_adapters: bool = True) -> None:
         # keys as a run config names them (rollout.engine_args), where these arguments come from
         device = resolve_device(device, "rollout.engine_args.device")
         dtype = resolve_dtype(dtype, device, "rollout.engine_args.dtype")
@@ -109,25 +112,27 @@ class TorchEngine:
         tokenizer = load_tokenizer(path) if has_tokenizer else None  # checked to round-trip text
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
                     gpu_memory_utilization=gpu_memory_utilization, weight_updates=weight_updates,
-                    prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0)
+                    prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0, mix_adapters=mix_adapters)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any = None, *, max_batch: int = 512, version: int = 0,
                    batch_window_s: float = 0.002, seed: int = 0, gpu_memory_utilization: float | None = None,
                    weight_updates: str = "between_requests", enable_prefix_caching: bool = True,
-                   prefix_cache_mb: float = 1024) -> TorchEngine:
+                   prefix_cache_mb: float = 1024, mix_adapters: bool = True) -> TorchEngine:
         """Serve an in-memory model (on its current device and dtype). The engine puts it in eval mode and, on CPU
         with sdpa attention, switches it to the grouped-K/V variant `_sdpa_gqa` (same outputs, faster decode)."""
         self = cls.__new__(cls)
         self._setup(model, tokenizer, max_batch=max_batch, version=version, batch_window_s=batch_window_s, seed=seed,
                     gpu_memory_utilization=check_fraction(gpu_memory_utilization,
                                                           "rollout.engine_args.gpu_memory_utilization"),
-                    weight_updates=weight_updates, prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0)
+                    weight_updates=weight_updates, prefix_cache_mb=prefix_cache_mb if enable_prefix_caching else 0,
+                    mix_adapters=mix_adapters)
         return self
 
     def _setup(self, model: torch.nn.Module, tokenizer: Any, *, max_batch: int, version: int,
                batch_window_s: float, seed: int, gpu_memory_utilization: float | None = None,
-               weight_updates: str = "between_requests", prefix_cache_mb: float = 0) -> None:
+               weight_updates: str = "between_requests", prefix_cache_mb: float = 0, mix_adapters: bool = False
+               ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if weight_updates not in WEIGHT_UPDATES:
@@ -146,12 +151,15 @@ class TorchEngine:
         self._loads = WeightLoads()  # the weights lock, held by a running batch and by load_weights
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "max_batch_seen": 0, "errors": 0,
                        "budget_capped_batches": 0, "inflight_loads": 0, "recompute_s": 0.0,
-                       "prefill_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "prefix_s": 0.0}
+                       "prefill_s": 0.0, "forward_s": 0.0, "sample_s": 0.0, "output_s": 0.0, "prefix_s": 0.0,
+                       "mixed_batches": 0}
         self._batcher = Batcher(max_batch=max_batch, window_s=batch_window_s, loads=self._loads, run=self._run_batch,
-                                fits=self._fits, stop=self.close, stats=self._stats)
+                                fits=self._fits, stop=self.close, stats=self._stats, mixes=self._mixes)
         self._memory, self._release_memory = self._budget(gpu_memory_utilization)
         self._prefix = self._prefix_cache(prefix_cache_mb)
         self._adapters = EngineAdapters(model, self._params, self._loads.lock)  # LoRA adapters (module docstring)
+        # batches that mix adapters (`torch_lora_mix`): only where no weights load between decode steps
+        self._mix = MixedLora(model) if mix_adapters and weight_updates == "between_requests" else None
 
     # ------------------------------------------------------------------------------------------------ protocol
     @property
@@ -320,23 +328,44 @@ class TorchEngine:
                              "TorchEngine.from_model(model, tokenizer), or serve a model directory with tokenizer "
                              "files; or stop on token ids (stop_token_ids)")
 
-    def _run_batch(self, requests: list[GenerationRequest], adapter: str | None = None) -> list[Completion]:
-        """Decode one batch (the batcher's worker) under the weights lock, with `adapter` applied."""
+    def _mixes(self, a: str | None, b: str | None) -> bool:
+        """Whether rows of adapters `a` and `b` (None: the base) may share a batch (`mix_adapters`)."""
+        if a == b:
+            return True
+        return self._mix is not None and all(x is None or self._adapters.get(x).mixable for x in (a, b))
+
+    def _run_batch(self, requests: list[GenerationRequest], adapters: list[str | None]) -> list[Completion]:
+        """Decode one batch (the batcher's worker) under the weights lock: each row with its adapter (one adapter
+        applied to the whole model, or rows of several adapters over one base forward: `torch_lora_mix`)."""
+        mixed = len(set(adapters)) > 1
+        rows = order(adapters) if mixed else list(range(len(requests)))
+        requests, adapters = [requests[i] for i in rows], [adapters[i] for i in rows]
         with self._loads.lock, torch.inference_mode():
-            version = self._adapters.activate(adapter, self._version) if self._adapters else self._version
+            if mixed:
+                self._adapters.activate(None, self._version)  # every LoRA layer computes its base; hooks add the rest
+                versions = [self._version if a is None else self._adapters.get(a).version for a in adapters]
+            else:
+                adapter = adapters[0]
+                version = self._adapters.activate(adapter, self._version) if self._adapters else self._version
+                versions = [version] * len(requests)
             seeds = _row_seeds(requests, self._generator).to(self._device)  # [B]
-            decoded = decode(self._model, self._tokenizer, requests, seeds, version, device=self._device,
+            decoded = decode(self._model, self._tokenizer, requests, seeds, versions[0], device=self._device,
                              stats=self._stats, weight_updates=self.weight_updates,
-                             take_loads=lambda: self._yield_to_loads(adapter), prefix_cache=self._prefix,
-                             tag=(adapter, version, self._version))
+                             take_loads=lambda: self._yield_to_loads(adapters[0]), prefix_cache=self._prefix,
+                             tags=[(a, v, self._version) for a, v in zip(adapters, versions)],
+                             mix=self._mix if mixed else None,
+                             slots=[None if a is None else self._adapters.get(a).slot for a in adapters])
         started = time.perf_counter()
-        out = completions(requests, decoded)
+        out = completions(requests, decoded, versions if mixed else None)
         s = self._stats
         s.update(batches=s["batches"] + 1, requests=s["requests"] + len(requests),
                  tokens=s["tokens"] + sum(len(c.token_ids) for c in out),
-                 max_batch_seen=max(s["max_batch_seen"], len(requests)),
+                 max_batch_seen=max(s["max_batch_seen"], len(requests)), mixed_batches=s["mixed_batches"] + mixed,
                  output_s=s["output_s"] + time.perf_counter() - started)
-        return out
+        back = [None] * len(out)  # the caller's order
+        for j, i in enumerate(rows):
+            back[i] = out[j]
+        return back
 
     def _yield_to_loads(self, adapter: str | None) -> int | None:
         """In-flight mode, between two decode steps, under the weights lock: let waiting `load_weights` calls run

@@ -2,7 +2,7 @@
 
 `EngineAdapters` attaches an adapter under a slot of its own (`add`), finds one by name (`get`) and makes the model
 apply a batch's adapter (`activate`), all under the engine's weights lock. The engine's batcher runs one adapter's
-rows per batch and its `load_weights` moves an adapter's tensors; a new per-adapter setting belongs on `_Adapter`.
+rows per batch (or mixes adapters' rows: `torch_lora_mix`) and its `load_weights` moves an adapter's tensors; a new per-adapter setting belongs on `_Adapter`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from astratk.engines.torch_lora_mix import MixedLora
 from astratk.engines.torch_weights import check_state
 
 _UNKNOWN = object()  # `active` after PEFT changed adapters itself: the next batch sets its own
@@ -26,6 +27,7 @@ class _Adapter:
     slot: str
     tensors: dict[str, torch.Tensor]
     version: int
+    mixable: bool = True  # plain LoRA on linear layers: its rows may share a batch with other adapters'
 
 
 class EngineAdapters:
@@ -62,7 +64,7 @@ class EngineAdapters:
                 self.active = _UNKNOWN  # PEFT may have switched the active adapter
                 raise
             self.active = _UNKNOWN
-            self.slots[name] = _Adapter(slot, tensors, version)
+            self.slots[name] = _Adapter(slot, tensors, version, MixedLora(self._model).mixable(slot))
 
     def get(self, name: str) -> _Adapter:
         try:

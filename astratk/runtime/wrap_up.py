@@ -103,7 +103,7 @@ class WrapUp:
             "start_version": self._first_version(),  # 0, or the resumed checkpoint's step
             "resumed_from": str(self.resume_point.checkpoint) if self.resume_point else None,
             "accuracy_after": final["accuracy"],
-            "accuracy_best": max(r["accuracy"] for r in evals),
+            "accuracy_best": max((r["accuracy"] for r in evals), default=float("nan")),  # nan: no evaluation ran
             "accuracy_gain": final["accuracy"] - base["accuracy"],
             "target_gain": TARGET_GAIN,
             "time_to_target_s": reached[0]["train_time_s"] if reached else None,

@@ -300,12 +300,15 @@ def test_engine_samples_as_the_peft_model_at_each_adapter_version(base_dir):
         engine.close()
 
 
-def test_two_adapters_share_the_base_and_batch_apart(base_dir):
-    """Concurrent calls of two adapters: each batch runs one adapter's rows, each token carries its adapter's
-    version, and the completions equal those of each adapter served alone (seeded sampling)."""
+@pytest.mark.parametrize("mix", [True, False], ids=["mixed-batch", "one-adapter-per-batch"])
+def test_two_adapters_share_the_base(base_dir, mix):
+    """Concurrent calls of two adapters and of the base: with `mix_adapters` (the default) they share one batch, one
+    base forward with each row's adapter added (`torch_lora_mix`); without it each batch runs one adapter's rows.
+    Either way each token carries its adapter's version and the completions equal those of each adapter served alone
+    (seeded sampling), in the callers' order. Adapter b targets fewer layers than a (b's rows skip the others)."""
     models = {"a": _trained(base_dir, 1), "b": _trained(base_dir, 2, LoraSpec(r=2, target_modules=["v_proj"]))}
     specs = {"a": LORA, "b": LoraSpec(r=2, target_modules=["v_proj"])}
-    engine = TorchEngine(base_dir, batch_window_s=0.05)
+    engine = TorchEngine(base_dir, batch_window_s=0.05, mix_adapters=mix)
     try:
         base_params = {id(p) for p in engine._model.parameters()}
         views = {n: engine.add_adapter(n, specs[n], L.adapter_state(models[n]), v) for n, v in (("a", 5), ("b", 7))}
@@ -315,14 +318,51 @@ def test_two_adapters_share_the_base_and_batch_apart(base_dir):
         assert base_params <= {id(p) for p in engine._model.parameters()}  # ... as the same tensors
         requests = _requests()
 
-        async def both():
-            return await asyncio.gather(views["a"].generate(requests), views["b"].generate(requests))
+        async def all_three():
+            return await asyncio.gather(views["b"].generate(requests), engine.generate(requests),
+                                        views["a"].generate(requests))
 
-        out_a, out_b = asyncio.run(both())
-        assert engine.stats["batches"] == 2 and engine.stats["max_batch_seen"] == len(requests)
+        out_b, out_base, out_a = asyncio.run(all_three())
+        assert engine.stats["batches"] == (1 if mix else 3) and engine.stats["mixed_batches"] == int(mix)
+        assert engine.stats["max_batch_seen"] == (3 if mix else 1) * len(requests)
         _check_logprobs(models["a"], requests, out_a, 5)
         _check_logprobs(models["b"], requests, out_b, 7)
-        assert [c.token_ids for c in out_a] == [c.token_ids for c in asyncio.run(views["a"].generate(requests))]
+        _check_logprobs(load_causal_lm(base_dir), requests, out_base, 0)
+        alone = {n: asyncio.run(views[n].generate(requests)) for n in views}
+        assert [c.token_ids for c in out_a] == [c.token_ids for c in alone["a"]]
+        assert [c.token_ids for c in out_b] == [c.token_ids for c in alone["b"]]
+        # after a mixed batch, a batch of one adapter applies it alone again (the hooks are gone)
+        _check_logprobs(models["a"], requests, alone["a"], 5)
+    finally:
+        engine.close()
+
+
+def test_a_mixed_batch_prefills_a_shared_prefix_per_adapter_and_keeps_each_adapters_prefixes(base_dir):
+    """Prompts that share a long prefix (an agent's system message) across two adapters: the prefix is prefilled
+    once per adapter, and a next turn of each finds its own adapter's K/V in the prefix cache, never the other's."""
+    models = {"a": _trained(base_dir, 1), "b": _trained(base_dir, 2)}
+    engine = TorchEngine(base_dir, batch_window_s=0.05, prefix_cache_mb=64)
+    try:
+        views = {n: engine.add_adapter(n, LORA, L.adapter_state(models[n]), 1) for n in models}
+        g = torch.Generator().manual_seed(5)
+        system = tuple(torch.randint(5, 60, (40,), generator=g).tolist())
+        prompts = [system + tuple(torch.randint(5, 60, (k,), generator=g).tolist()) for k in (3, 6, 4)]
+        requests = [GenerationRequest(p, SamplingParams(temperature=0.8, max_tokens=5, seed=i))
+                    for i, p in enumerate(prompts)]
+
+        async def both(reqs):
+            return await asyncio.gather(views["a"].generate(reqs), views["b"].generate(reqs))
+
+        out_a, out_b = asyncio.run(both(requests))
+        assert engine.stats["mixed_batches"] == 1
+        _check_logprobs(models["a"], requests, out_a, 1)
+        _check_logprobs(models["b"], requests, out_b, 1)
+        nxt = [GenerationRequest(r.prompt_ids + c.token_ids + (7, 8), r.params) for r, c in zip(requests, out_a)]
+        hits = engine.stats["prefix_hits"]
+        out_a2, out_b2 = asyncio.run(both(nxt))
+        assert engine.stats["prefix_hits"] - hits == 2 * len(nxt)  # every row reused a prefix of its own adapter
+        _check_logprobs(models["a"], nxt, out_a2, 1)
+        _check_logprobs(models["b"], nxt, out_b2, 1)
     finally:
         engine.close()
 
