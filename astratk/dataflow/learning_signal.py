@@ -26,8 +26,11 @@ from dataclasses import dataclass, field
 
 # What agent and multi-turn episodes report, read from the trajectories' metrics under the names envs give them
 # (the first name present counts; unparseable calls add up): AgentEnv's `calls` are its turns; the actions an env
-# cannot read are search's `invalid_actions`, DB's `format_errors` and household's `no_action_turns`.
+# cannot read are search's `invalid_actions`, DB's `format_errors` and household's `no_action_turns`. An episode whose
+# env reads tool calls or actions at all reports one of those counters (0 when none failed): it counts among
+# `tool_episodes`, and only such episodes are told about tool calls (a solver + verifier conversation has no tools).
 AGENT_METRICS: dict[str, tuple[str, ...]] = {
+    "tool_episodes": ("tool_call_errors", "invalid_actions", "format_errors", "no_action_turns"),
     "tool_calls": ("tool_calls",),
     "unparsed_calls": ("tool_call_errors", "invalid_actions", "format_errors", "no_action_turns"),
     "turns": ("turns", "calls"),
@@ -46,6 +49,8 @@ def agent_counts(metrics: Mapping[str, float]) -> dict[str, float] | None:
         present = [k for k in keys if k in metrics]
         if name == "unparsed_calls":  # each its own kind of miss: added
             out[name] = sum(float(metrics[k]) for k in present)
+        elif name == "tool_episodes":  # the env reads tool calls or actions
+            out[name] = float(bool(present))
         else:
             out[name] = float(metrics[present[0]]) if present else 0.0
     return out
@@ -57,6 +62,7 @@ class AgentReading:
     prompt showed it its tools (None: not known, or an env whose tool protocol is plain text in its prompt)."""
 
     episodes: int
+    tool_episodes: float = 0.0
     tool_calls: float = 0.0
     unparsed_calls: float = 0.0
     turns: float = 0.0
@@ -77,12 +83,18 @@ class AgentReading:
     def per_episode(self, name: str) -> float:
         return getattr(self, name) / self.episodes if self.episodes else 0.0
 
+    @property
+    def has_tools(self) -> bool:
+        """Whether the episodes' env reads tool calls or actions (`AGENT_METRICS`)."""
+        return bool(self.tool_episodes or self.tool_calls or self.unparsed_calls or self.tools_shown is not None)
+
     def line(self) -> str:
         shown = ("" if self.tools_shown is None else
                  f"; tools in the prompt: {'yes' if self.tools_shown else 'NO'}"
                  + (f" ({self.tool_format})" if self.tool_format else ""))
-        return (f"agent: {self.episodes} episodes, {self.per_episode('tool_calls'):.2f} tool calls and "
-                f"{self.per_episode('unparsed_calls'):.2f} unparseable per episode, "
+        calls = (f"{self.per_episode('tool_calls'):.2f} tool calls and {self.per_episode('unparsed_calls'):.2f} "
+                 "unparseable per episode, " if self.has_tools else "no tools, ")
+        return (f"agent: {self.episodes} episodes, {calls}"
                 f"{self.per_episode('turns'):.1f} turns per episode; {self.per_episode('turn_limit'):.0%} ended at the "
                 f"turn limit, {self.per_episode('context_limit'):.0%} at the context limit{shown}")
 
@@ -92,7 +104,7 @@ class AgentReading:
         if self.tools_shown is False:
             out.append("the model never saw its tools: its chat template drops them and tool_format is 'template'; "
                        "set the env's tool_format: auto (or hermes) so astratk writes them into the system message")
-        if self.episodes and self.tool_calls == 0:
+        if self.episodes and self.tool_calls == 0 and self.has_tools:
             tried = f" ({self.unparsed_calls:.0f} it could not parse)" if self.unparsed_calls else ""
             out.append(f"the model made no tool call in {self.episodes} episodes{tried}: name the tools and show one "
                        "call in "

@@ -1,6 +1,7 @@
 """Math solver + verifier (AstraFlow's headline multi-policy workflow).
 
-One episode: the solver answers; the verifier sees the problem and the answer and replies ACCEPT or REJECT; on REJECT
+One episode: the solver answers; the verifier sees the problem and the answer and replies ACCEPT or REJECT
+(`verdict_words`: other words, such as yes and no, which a small chat model says more readily); on REJECT
 the solver retries once with the verifier's reply in its context (a second turn of the solver's conversation: the
 reply is appended with loss mask 0). Rewards: solver 1 if its final answer is correct, else 0;
 verifier 1 if its verdict matches the truth of the answer it judged (a reply with neither word is wrong).
@@ -28,13 +29,16 @@ from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.envs.multiturn import Budget, ChatTurns, Conversation
 from astratk.records import Task, Trajectory
 
-_VERDICT = re.compile(r"\b(ACCEPT|REJECT)\b", re.IGNORECASE)
+VERDICTS = ("ACCEPT", "REJECT")  # the verifier's words for "the answer is right" and "it is wrong"
 
 
-def parse_verdict(text: str) -> str | None:
-    """"accept" / "reject" from the first of the two words in `text` (any case), None when neither appears."""
-    m = _VERDICT.search(text)
-    return m.group(1).lower() if m else None
+def parse_verdict(text: str, words: Sequence[str] = VERDICTS) -> str | None:
+    """"accept" / "reject" from the first of the two verdict `words` (accept's, reject's) in `text`, as a whole word
+    in any case; None when neither appears."""
+    m = re.search(r"\b(" + "|".join(re.escape(w) for w in words) + r")\b", text, re.IGNORECASE)
+    if m is None:
+        return None
+    return "accept" if m.group(1).lower() == words[0].lower() else "reject"
 
 
 class SolverVerifierEnv(Env):
@@ -45,13 +49,19 @@ class SolverVerifierEnv(Env):
 
     def __init__(self, base: Env | None = None, retry: bool = True, verifier_prompt: str = "Check: {problem} "
                  "Answer: {answer} Reply ACCEPT or REJECT.", retry_prompt: str = "{verdict} Try again.",
-                 max_context: int = 256) -> None:
+                 max_context: int = 256, verdict_words: Sequence[str] = VERDICTS) -> None:
         self.base = base if base is not None else ArithmeticEnv()
         for method in ("messages", "grade"):
             if not callable(getattr(self.base, method, None)):
                 raise TypeError(f"base env {self.base.name!r} lacks {method}(); the solver + verifier workflow needs it")
         if "{problem}" not in verifier_prompt or "{answer}" not in verifier_prompt:
             raise ValueError("verifier_prompt must contain {problem} and {answer}")
+        words = tuple(verdict_words)
+        if len(words) != 2 or not all(isinstance(w, str) and w.strip() for w in words) or \
+                words[0].lower() == words[1].lower():
+            raise ValueError(f"verdict_words must be two different words (accept's, reject's), e.g. "
+                             f"['yes', 'no'], got {verdict_words!r}")
+        self.verdict_words = tuple(w.strip() for w in words)
         self.retry, self.verifier_prompt, self.retry_prompt = retry, verifier_prompt, retry_prompt
         self.budget = Budget(max_turns=2 if retry else 1, max_context=max_context)
         self._chat: dict[int, ChatTurns] = {}  # per tokenizer (id), template probes are cached
@@ -79,11 +89,12 @@ class SolverVerifierEnv(Env):
         right = self.base.demonstration(task)
         wrong = _perturb(right, task.task_id)
         shown = right if int(hashlib.sha256(task.task_id.encode()).hexdigest(), 16) % 2 == 0 else wrong
-        verdict = "ACCEPT" if self.base.grade(task, shown) == 1.0 else "REJECT"
+        yes, no = self.verdict_words
+        verdict = yes if self.base.grade(task, shown) == 1.0 else no
         out = [(self.messages(task), right), (self.verifier_messages(task, shown), verdict)]
         if self.retry:
             retry = [*self.messages(task), {"role": "assistant", "content": wrong},
-                     {"role": "user", "content": self.retry_prompt.format(verdict="REJECT")}]
+                     {"role": "user", "content": self.retry_prompt.format(verdict=no)}]
             out.append((retry, right))
         return out
 
@@ -102,7 +113,7 @@ class SolverVerifierEnv(Env):
                                       Budget(max_turns=1, max_context=self.budget.max_context),
                                       chat=self._chat_for(verifier_engine.tokenizer))
         reply = await verifier.assistant_turn(verifier_engine, _reseeded(sampling, 104729))
-        verdict = parse_verdict(reply.text)
+        verdict = parse_verdict(reply.text, self.verdict_words)
 
         retried = self.retry and verdict == "reject" and solver.can_continue
         if retried:
@@ -126,8 +137,8 @@ class SolverVerifierEnv(Env):
 
     # ------------------------------------------------------------------------------------------------ score
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:
-        """Solver: its final answer graded by the base env. Verifier: 1 when ACCEPT met a correct answer or REJECT
-        a wrong one (`judged_correct`, graded during the rollout), 0 otherwise, including replies with no verdict."""
+        """Solver: its final answer graded by the base env. Verifier: 1 when its accept word (ACCEPT) met a correct
+        answer or its reject word (REJECT) a wrong one (`judged_correct`, graded during the rollout), 0 otherwise, including replies with no verdict."""
         out: list[float | None] = []
         for t in trajectories:
             if t.role == "solver":

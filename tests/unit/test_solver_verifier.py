@@ -82,6 +82,15 @@ def test_no_retry_mode_and_verdict_parsing(task):
     assert solver.metrics["retried"] == 0 and solver.metrics["turns"] == 1
     assert parse_verdict("I would reject this") == "reject" and parse_verdict("ACCEPTED?") is None
     assert parse_verdict("accept. no, REJECT") == "accept"  # the first verdict word counts
+    # other words (a small chat model answers yes or no more readily than ACCEPT or REJECT)
+    assert parse_verdict("No, the answer is not correct.", ("yes", "no")) == "reject"
+    assert parse_verdict("Yes. It is right", ("yes", "no")) == "accept"
+    assert parse_verdict("Nothing to say", ("yes", "no")) is None and parse_verdict("ACCEPT", ("yes", "no")) is None
+    with pytest.raises(ValueError, match="verdict_words must be two different words"):
+        SolverVerifierEnv(verdict_words=["yes", "YES"])
+    env = SolverVerifierEnv(verdict_words=["yes", "no"])
+    task = next(iter(env.tasks("train")))
+    assert {reply for _, reply in env.demonstrations(task)[1:2]} <= {"yes", "no"}
 
 
 def test_demonstrations_teach_both_roles(env):

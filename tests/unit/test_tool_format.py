@@ -139,6 +139,18 @@ def test_agent_readings_say_what_to_change():
     assert "agent: 256 episodes" in line and "no tool call in 256 episodes" in line
 
 
+def test_a_multi_turn_env_without_tools_is_not_told_to_call_them():
+    """A solver + verifier conversation counts turns (and a `tool_calls` of 0, as every multi-turn conversation does)
+    but reads no tool calls or actions: its reading says so, and no advice asks it for tool calls."""
+    episodes = [agent_counts({"turns": 2.0, "tool_calls": 0.0, "truncated_turns": 0.0})] * 64
+    r = AgentReading.of(episodes)
+    assert not r.has_tools and r.tool_episodes == 0
+    assert r.line().startswith("agent: 64 episodes, no tools, 2.0 turns per episode")
+    assert not any("tool" in a for a in r.advice(32))
+    # one episode that reads actions is enough to make it a tool env
+    assert AgentReading.of(episodes + [agent_counts({"turns": 1.0, "format_errors": 0.0})]).has_tools
+
+
 def test_envs_that_serve_tools_are_found():
     class Tools:
         tool_format = "auto"
