@@ -133,6 +133,32 @@ def test_a_run_trains_the_real_model_and_exports_what_transformers_loads(smollm2
         assert torch.isfinite(model(ids).logits).all()
 
 
+def test_the_two_policy_recipe_trains_both_lora_policies_on_one_smollm2_base(smollm2_dir, tmp_path):
+    """tutorials/solver_verifier_real_model.yaml at smoke length: a solver and a verifier, two LoRA policies on one
+    SmolLM2 base, each trained a step by its own trainer; the verifier's yes/no verdicts are read (some episodes
+    retried), and the agent lines say the env has no tools instead of asking for tool calls."""
+    import dataclasses
+    from pathlib import Path
+
+    from astratk.config import load_spec
+    from astratk.runtime.run import Run
+
+    config = Path(__file__).parents[2] / "tutorials" / "solver_verifier_real_model.yaml"
+    spec = load_spec(config, ["--output_dir", str(tmp_path / "runs"), "--eval.max_tasks", "4", "--eval.interval_s",
+                              "600", "--rollout.group_size", "4", "--rollout.max_new_tokens", "16",
+                              "--rollout.tasks_per_chunk", "2", "--progress", "false"])
+    for p in spec.policies:
+        p.trainer = dataclasses.replace(p.trainer, max_steps=1, groups_per_step=1, max_time_s=None)
+    lines: list[str] = []
+    result = Run(spec.validate(), printer=lines.append).start()
+    s = result.summary
+    assert s["solver_final_version"] == 1 and s["verifier_final_version"] == 1, lines
+    verdicts = result.metrics()["data_traj_verifier_verdict_mean"]  # per verdict 1 yes, 0 no, -1 neither word
+    assert float(verdicts.max(skipna=True)) > -1.0  # some verdict was read
+    text = "\n".join(lines)
+    assert "no tools" in text and "no tool call" not in text, text
+
+
 def test_the_openai_endpoint_serves_it_with_its_own_template(smollm2_dir):
     from astratk.engines.torch_engine import TorchEngine
     from astratk.rollout.openai_api import OpenAIEndpoint

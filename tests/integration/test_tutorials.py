@@ -1,7 +1,9 @@
 """Every tutorial runs top to bottom as a real notebook: jupytext turns the percent-format script into a notebook and
 nbclient executes it on a Jupyter kernel started in `tutorials/`, as Jupyter does when a user opens it there. Short
 mode (`ASTRATK_TUTORIAL_SHORT=1`: a smoke budget, `astratk.quick.smoke`) keeps each to a minute or two, with outputs
-under a temporary directory. `tutorials/run.py` (the script way) runs one from the repository root."""
+under a temporary directory. `tutorials/run.py` (the script way) runs one from the repository root. The tutorials on
+the real model (SmolLM2) run from tests/integration/test_tutorials_real.py: a file of their own, so that the suite's
+two test processes share the notebooks' minutes (pytest-xdist hands out whole files)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,20 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
+REAL_MODEL = [n for n in TUTORIALS if "smollm2" in (ROOT / "tutorials" / n).read_text().lower()]
 
 
 def test_there_are_ten_tutorials():
     assert len(TUTORIALS) == 10, TUTORIALS
+    assert REAL_MODEL == ["09_real_model.py", "10_tool_agent.py"], REAL_MODEL
 
 
 @pytest.fixture(scope="module")
 def short_env(tmp_path_factory):
+    return short_environment(tmp_path_factory)
+
+
+def short_environment(tmp_path_factory) -> dict[str, str]:
     shared = tmp_path_factory.mktemp("tutorials")
     # the models come from the suite's own cache ($ASTRATK_CACHE: CI starts it empty), as the real-model tests' do:
     # SmolLM2 is dequantized once per suite, not once more here
@@ -41,8 +49,13 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
-@pytest.mark.parametrize("name", TUTORIALS)
+@pytest.mark.parametrize("name", [n for n in TUTORIALS if n not in REAL_MODEL])
 def test_tutorial_runs_as_a_notebook_from_its_folder(name, short_env, monkeypatch):
+    run_notebook(name, short_env, monkeypatch)
+
+
+def run_notebook(name: str, short_env: dict[str, str], monkeypatch) -> None:
+    """Tutorial `name` through a Jupyter kernel started in tutorials/, in short mode; it must print its last line."""
     jupytext = pytest.importorskip("jupytext")
     nbclient = pytest.importorskip("nbclient")
     for key, value in short_env.items():  # the kernel inherits this process's environment
