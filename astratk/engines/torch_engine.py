@@ -49,9 +49,10 @@ name the adapter. With `mix_adapters` (the default; weight_updates between_reque
 the base share a batch: one base forward for all rows, each adapter's LoRA matmuls on its own rows, as multi-LoRA
 servers do (`torch_lora_mix`; plain LoRA on linear layers, other adapters batch alone). Otherwise a batch runs rows of
 one adapter: the batcher takes the oldest queued request's adapter and the queued requests of that adapter, so each
-adapter keeps its requests' order and none waits behind more than the batches ahead of it. An adapter's `load_weights` (its tensors by saved PEFT name, or a
-`SparseDelta` from its version) takes the same lock, so the guarantees above hold per adapter and every token carries
-the version of its adapter. An engine without adapters runs exactly as before.
+adapter keeps its requests' order and none waits behind more than the batches ahead of it. An adapter's `load_weights`
+(its tensors by saved PEFT name, or a `SparseDelta` from its version) takes the same lock, so the guarantees above
+hold per adapter and every token carries the version of its adapter. An engine without adapters runs exactly as
+before.
 """
 
 from __future__ import annotations
