@@ -9,15 +9,27 @@ the largest centred product, computed per token over the step's batch (detached)
 
 - **Clip-Cov**: PPO's clipped surrogate anchored on mu (`PPOClip`), and in addition a random `clip_ratio` share of the
   loss tokens whose cov_t lies in (cov_low, cov_high) lose their gradient (their loss is 0; they stay in the
-  aggregation denominator). At least one token is picked when any qualifies. Defaults r = 2e-4, (1, 5): the paper's.
+  aggregation denominator). Defaults r = 2e-4, (1, 5): the paper's.
 - **KL-Cov**: the importance-sampled policy gradient -A r on every token, plus kl_coef * |log pi - log mu| on the
-  top `kl_ratio` share of loss tokens by cov_t (floor(kl_ratio * tokens); none when that is 0). Defaults k = 2e-3
-  (the paper's value for 7B models; 2e-4 for 32B), kl_coef = 1.
+  top `kl_ratio` share of loss tokens by cov_t. Defaults k = 2e-3 (the paper's value for 7B models; 2e-4 for 32B),
+  kl_coef = 1.
+
+Selection rules. The paper states the shares; the authors' released code (their recipe in verl, the RL library the
+paper's experiments ran on: `compute_policy_loss_clip_cov` and `compute_policy_loss_kl_cov`) fixes the details, and
+these losses follow it so that a run here and a run there pick the same tokens:
+
+- both pick max(1, floor(share * loss tokens)) tokens whenever the batch has any loss token: a small batch still
+  gets one (KL-Cov's floor alone would penalise no token at all below 1 / kl_ratio tokens);
+- Clip-Cov draws its picks only among candidates that PPO's ratio clip has not already stopped (A > 0 and
+  r > 1 + eps_high, or A < 0 and r < 1 - eps_low): such a token's gradient is already 0, and a pick spent on it would
+  remove nothing. With fewer candidates than picks, every candidate is picked;
+- KL-Cov's top tokens are the loss tokens of largest cov_t, whatever its sign.
 
 Both are batch statistics (`batch_statistics = True`): under micro-batches the trainer calls them once on the whole
 step's batch, so the selection is the step's, not a micro-batch's. Under data parallelism the means are all-reduced
-and each rank selects among its own tokens. Clip-Cov's random pick uses the loss's own generator (`seed`), so a run is
-reproducible. Both losses' scalar values include the penalty; the gradient is what to compare across implementations.
+and each rank selects among its own tokens (its own count sets its number of picks). Clip-Cov's random pick uses the
+loss's own generator (`seed`), so a run is reproducible. Both losses' scalar values include the penalty; the gradient
+is what to compare across implementations.
 """
 
 from __future__ import annotations
@@ -94,9 +106,11 @@ class ClipCov(PolicyLoss):
     def __call__(self, inputs: LossInputs) -> LossOutputs:
         valid, mask, logp, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu
         with torch.no_grad():
+            low = (adv < 0) & (r < 1.0 - self.eps_low)  # [B, T] tokens whose gradient PPO's clip removes
+            high = (adv > 0) & (r > 1.0 + self.eps_high)
             cov = centred_covariance(adv, logp, valid, inputs.reduce)  # [B, T]
             candidates = valid & (cov > self.cov_low) & (cov < self.cov_high)  # [B, T]
-            flat = candidates.reshape(-1).nonzero().squeeze(-1).cpu()  # candidate positions
+            flat = (candidates & ~(low | high)).reshape(-1).nonzero().squeeze(-1).cpu()  # positions to draw from
             n_pick = min(max(int(self.clip_ratio * int(valid.sum())), 1), flat.numel())
             picked = torch.zeros(valid.numel(), dtype=torch.bool)
             if n_pick:
@@ -107,8 +121,6 @@ class ClipCov(PolicyLoss):
         if inputs.weights is not None:
             token_losses = token_losses * inputs.weights.detach()
         with torch.no_grad():
-            low = (adv < 0) & (r < 1.0 - self.eps_low)  # [B, T] tokens whose gradient PPO's clip removes
-            high = (adv > 0) & (r > 1.0 + self.eps_high)
             metrics = {
                 **clip_metrics(low, high, mask),
                 **ratio_metrics(r, log_r, mask, valid),
@@ -151,7 +163,8 @@ class KLCov(PolicyLoss):
         valid, mask, logp, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu
         with torch.no_grad():
             cov = centred_covariance(adv, logp, valid, inputs.reduce)  # [B, T]
-            k = math.floor(self.kl_ratio * int(valid.sum()))
+            n = int(valid.sum())
+            k = max(1, math.floor(self.kl_ratio * n)) if n else 0
             chosen = torch.zeros_like(valid)
             if k > 0:
                 top = cov.masked_fill(~valid, float("-inf")).reshape(-1).topk(k).indices

@@ -205,6 +205,43 @@ def test_clip_cov_is_reproducible_and_pickles_its_generator():
     assert not torch.equal(_grad(ClipCov(clip_ratio=0.05, cov_low=0.1, seed=4), lp, log_mu, adv)[0], first)
 
 
+def _clip_cov_case():
+    # 10 tokens. A = 2 on tokens 0-7, -8 on 8-9 (mean A = 0); log pi = -0.5 on 0-7, -5.5 on 8-9 (mean -1.5), so
+    # cov = 2 * 1 = 2 on tokens 0-7 (all in the band (1, 5)) and -8 * -4 = 32 on 8-9 (above it). Tokens 0-3 have
+    # r = e^0.5 = 1.65 > 1 + 0.2 with A > 0: PPO's clip already zeroes their gradient. Tokens 4-9 have r = 1.
+    lp = T_([[-0.5] * 8 + [-5.5] * 2])
+    adv = T_([[2.0] * 8 + [-8.0] * 2])
+    log_mu = lp - T_([[0.5] * 4 + [0.0] * 6])
+    return lp, log_mu, adv
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_clip_cov_draws_only_among_tokens_the_ppo_clip_left_alone(seed):
+    lp, log_mu, adv = _clip_cov_case()
+    # clip_ratio 0.4: max(1, floor(0.4 * 10)) = 4 picks; of the 8 band tokens only 4-7 are unclipped, so they are the
+    # picks whatever the draw (drawing among all 8 would spend some picks on 0-3, whose gradient is already 0)
+    g, out = _grad(ClipCov(clip_ratio=0.4, seed=seed), lp, log_mu, adv)
+    torch.testing.assert_close(out.token_losses, T_([[-2.4] * 4 + [0.0] * 4 + [8.0] * 2]))  # -A * 1.2; 0; -A * 1
+    torch.testing.assert_close(g, T_([[0.0] * 8 + [8.0] * 2]))  # clipped: 0; picked: 0; tokens 8-9: -A r = 8
+    assert out.metrics["cov_clip_frac"].item() == pytest.approx(0.4)
+    assert out.metrics["cov_candidates_frac"].item() == pytest.approx(0.8)
+    # one pick (clip_ratio 0.1: max(1, floor(1)) = 1): always one of tokens 4-7
+    _, one = _grad(ClipCov(clip_ratio=0.1, seed=seed), lp, log_mu, adv)
+    picked = torch.nonzero(one.token_losses[0] == 0).flatten().tolist()
+    assert len(picked) == 1 and picked[0] in (4, 5, 6, 7)
+    # a tiny share still picks max(1, floor(2e-4 * 10)) = 1 token
+    _, tiny = _grad(ClipCov(seed=seed), lp, log_mu, adv)
+    assert tiny.metrics["cov_clip_frac"].item() == pytest.approx(0.1)
+
+
+def test_clip_cov_whose_candidates_are_all_clipped_is_ppo():
+    lp, log_mu, adv = _clip_cov_case()
+    log_mu = lp - T_([[0.5] * 8 + [0.0] * 2])  # every band token clipped: nothing left to draw from
+    g, out = _grad(ClipCov(clip_ratio=0.4), lp, log_mu, adv)
+    torch.testing.assert_close(g, _grad(PPOClip(), lp, log_mu, adv)[0])
+    assert out.metrics["cov_clip_frac"].item() == 0.0
+
+
 def test_clip_cov_without_candidates_is_ppo():
     lp, log_mu, _, adv = _random(7, spread=0.3)
     g, out = _grad(ClipCov(cov_low=100.0, cov_high=200.0), lp, log_mu, adv)
@@ -224,11 +261,23 @@ def test_kl_cov_golden():
     assert out.metrics["kl_cov_frac"].item() == 0.5
 
 
-def test_kl_cov_too_few_tokens_is_pg_is():
-    lp, log_mu, _, adv = _random(8, shape=(2, 10))
-    g, out = _grad(KLCov(), lp, log_mu, adv)  # floor(2e-3 * 20) = 0 tokens
-    torch.testing.assert_close(g, -adv * (lp - log_mu).exp())
-    assert out.metrics["kl_cov_frac"].item() == 0.0
+def test_kl_cov_penalises_at_least_one_token_as_the_reference_does():
+    # 36 tokens, kl_ratio 2e-4: floor(2e-4 * 36) = 0, but the reference implementation penalises max(1, 0) = 1 token:
+    # the one of largest covariance. A = 0 and log pi = -1 everywhere except token 5 (A = 3.6, log pi = -0.1):
+    # mean A = 0.1, mean log pi = -1 + 0.9 / 36 = -0.975, cov_5 = 3.5 * 0.875 = 3.0625; every other token has
+    # cov = (-0.1)(-0.025) = 0.0025. log r = 0.2 everywhere, so token 5's gradient gains +1 (d|log r| / d log pi).
+    lp, adv = torch.full((1, 36), -1.0, dtype=DT), torch.zeros(1, 36, dtype=DT)
+    lp[0, 5], adv[0, 5] = -0.1, 3.6
+    g, out = _grad(KLCov(kl_ratio=2e-4), lp, lp - 0.2, adv)
+    r = math.exp(0.2)
+    expected = torch.zeros(1, 36, dtype=DT)
+    expected[0, 5] = -3.6 * r + 1.0
+    torch.testing.assert_close(g, expected)
+    assert out.metrics["kl_cov_frac"].item() == pytest.approx(1 / 36)
+    torch.testing.assert_close(out.token_losses[0, 5], T_(-3.6 * r + 0.2))
+    # no loss token at all: nothing is penalised, and nothing fails
+    _, empty = _grad(KLCov(), lp, lp - 0.2, adv, mask=torch.zeros(1, 36, dtype=DT))
+    assert empty.metrics["kl_cov_frac"].item() == 0.0 and (empty.token_losses == 0).all()
 
 
 def test_kl_cov_gradcheck():
