@@ -4,4 +4,5 @@ import sys
 
 from astratk.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a local cluster's worker processes re-import the main module: they must not run the CLI
+    sys.exit(main())

@@ -227,12 +227,15 @@ class PolicyLoss(abc.ABC):
     Declarations the trainer reads before a step: `needs_proximal` (fill `LossInputs.proximal_logprobs`),
     `needs_topk` (K > 0: ask the engine for top-K log-probs and fill the `topk_*` fields), `batch_statistics`
     (the loss computes statistics over the whole batch, e.g. M2PO's second moment: under DDP the trainer passes
-    all-reduced values through `reduce`)."""
+    all-reduced values through `reduce`), `weights_by_behavior_ratio` (the loss itself multiplies each token by
+    pi_prox / mu, as decoupled PPO does: a correction that re-weights by the same ratio is then refused, see
+    `check_double_weighting`)."""
 
     required_aggregation: str | None = None
     needs_proximal: bool = False
     needs_topk: int = 0
     batch_statistics: bool = False
+    weights_by_behavior_ratio: bool = False
 
     @abc.abstractmethod
     def __call__(self, inputs: LossInputs) -> LossOutputs: ...
@@ -251,6 +254,21 @@ class TokenCorrection(abc.ABC):
 
     name: str = "correction"
     needs_proximal: bool = True  # every correction compares the proximal policy with the engine's
+    reweights: bool = True  # its `weights` multiply tokens by (a function of) pi_prox / mu; False: it only masks
 
     @abc.abstractmethod
     def __call__(self, inputs: LossInputs) -> CorrectionOutput: ...
+
+
+def check_double_weighting(loss: PolicyLoss, corrections: list[TokenCorrection] | tuple[TokenCorrection, ...],
+                           key: str = "policy") -> None:
+    """Refuse a loss that weights each token by pi_prox / mu itself combined with a correction that weights by it again
+    (decoupled PPO with `TIS` or `MIS(weight=True)`: the importance weight would be applied twice, w^2)."""
+    if not getattr(loss, "weights_by_behavior_ratio", False):
+        return
+    for j, corr in enumerate(corrections):
+        if getattr(corr, "reweights", True):
+            raise ValueError(
+                f"{key}.corrections[{j}]: {corr!r} weights each token by pi_prox / mu, which {type(loss).__name__} "
+                f"already does: the weight would be applied twice. Keep MIS(weight=False) for its mask only, or use "
+                f"the loss's own behavior_weight_cap (cap_mode 'mask' or 'truncate') instead")

@@ -31,6 +31,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "spo": "astratk.losses.spo.SPO",
         "gspo": "astratk.losses.gspo.GSPO",
         "gspo_token": "astratk.losses.gspo.GSPOToken",
+        "luspo": "astratk.losses.gspo.LUSPO",
         "sapo": "astratk.losses.sapo.SAPO",
         "m2po": "astratk.losses.m2po.M2PO",
         "m2po_clip": "astratk.losses.m2po.M2POClip",
@@ -43,6 +44,8 @@ REGISTRY: dict[str, dict[str, str]] = {
         "gmpo": "astratk.losses.gmpo.GMPO",
         "clip_cov": "astratk.losses.cov.ClipCov",
         "kl_cov": "astratk.losses.cov.KLCov",
+        "dro": "astratk.losses.dro.DRO",
+        "vespo": "astratk.losses.vespo.VESPO",
     },
     "env": {
         "arithmetic": "astratk.envs.math.arithmetic.ArithmeticEnv",

@@ -20,7 +20,7 @@ Adding a loss:
 
 Built-ins (docs/losses.md gives formula, source, defaults and YAML for each): `drpo.DRPO` (the default),
 `dppo.DPPO` and its Binary-KL / Top-K TV / Top-K KL subclasses, `ppo_clip.PPOClip`, `pg_is.PGIS`, `cispo.CISPO`,
-`spo.SPO`, `gspo.GSPO` / `GSPOToken`, `sapo.SAPO`, `m2po.M2PO` / `M2POClip`, `decoupled_ppo.DecoupledPPO`, `gpg.GPG`,
-`gmpo.GMPO`, `cov.ClipCov` / `KLCov`. Mismatch corrections (`corrections.TIS`,
+`spo.SPO`, `gspo.GSPO` / `GSPOToken` / `LUSPO`, `sapo.SAPO`, `m2po.M2PO` / `M2POClip`, `decoupled_ppo.DecoupledPPO`, `gpg.GPG`,
+`gmpo.GMPO`, `cov.ClipCov` / `KLCov`, `dro.DRO`, `vespo.VESPO`. Mismatch corrections (`corrections.TIS`,
 `corrections.MIS`) are `astratk.contracts.TokenCorrection`s the trainer applies before the loss.
 """

@@ -131,6 +131,7 @@ class MIS(TokenCorrection):
         self.low, self.high = float(low), float(high)
         self.level = _check_level(level, "MIS")
         self.weight = bool(weight)
+        self.reweights = self.weight  # weight=False only masks: it composes with a loss that weights by itself
 
     def __repr__(self) -> str:
         return f"MIS(low={self.low}, high={self.high}, level={self.level!r}, weight={self.weight})"

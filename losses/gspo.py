@@ -16,6 +16,20 @@ Token variant (GSPO-token, `GSPOToken` or `GSPO(variant="token")`): s_it = sg(s_
 s_i and whose gradient is s_i grad log pi_it, with per-token advantages A_it and the clip applied per token. With A
 constant over a sequence it gives exactly the sequence variant's value and gradient (the paper's remark).
 Defaults eps_low = 3e-4, eps_high = 4e-4 (the paper's; sequence ratios stay near 1, so the band is narrow).
+
+Aggregation (`aggregation`, default "seq-mean-token-mean", the paper's objective). Other trainer modes are allowed and
+change only how sequences are weighted against each other, since loss_i sits on each of its n_i tokens:
+
+- "seq-mean-token-sum": mean_i n_i loss_i, each sequence weighted by its length. This is LUSPO's length-unbiased
+  objective (arXiv 2602.05261): under seq-mean-token-mean a long sequence's tokens each get 1/n_i of the gradient,
+  which biases GSPO towards short answers; LUSPO multiplies each sequence's loss by n_i. `LUSPO` (short name `luspo`)
+  is this loss with that mode; TRL's notes on LUSPO give eps_low = 2e-3, eps_high = 2.5e-3 for its runs.
+- "seq-mean-token-sum-norm": the same divided by the trainer's horizon H (a constant: the learning-rate scale of
+  seq-mean-token-mean with LUSPO's weighting);
+- "token-mean": sum_i n_i loss_i / sum_i n_i (length-weighted, normalised by the batch's tokens);
+- "token-sum": sum_i n_i loss_i.
+
+The mode is the loss's `required_aggregation`, so the trainer uses it whatever `trainer.aggregation` says.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import torch
 from astratk.contracts import LossInputs, LossOutputs, PolicyLoss
 from astratk.losses._common import clip_metrics, masked_max, masked_mean, masked_min, ratio_metrics, tokens
 from astratk.registry import check_choice
+from astratk.spec.trainer import AGGREGATIONS
 
 VARIANTS = ("sequence", "token")
 
@@ -46,7 +61,8 @@ class GSPO(PolicyLoss):
 
     required_aggregation = "seq-mean-token-mean"
 
-    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, variant: str = "sequence") -> None:
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, variant: str = "sequence",
+                 aggregation: str = "seq-mean-token-mean") -> None:
         if not 0 < eps_low < 1:
             raise ValueError(f"eps_low must be in (0, 1) (s is clipped below at 1 - eps_low); got {eps_low}. "
                              "GSPO uses 3e-4")
@@ -54,10 +70,13 @@ class GSPO(PolicyLoss):
             raise ValueError(f"eps_high must be > 0 (s is clipped above at 1 + eps_high); got {eps_high}. "
                              "GSPO uses 4e-4")
         check_choice("GSPO variant", variant, VARIANTS)
+        self.required_aggregation = check_choice("aggregation", aggregation, AGGREGATIONS, where=type(self).__name__)
         self.eps_low, self.eps_high, self.variant = float(eps_low), float(eps_high), variant
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(eps_low={self.eps_low}, eps_high={self.eps_high}, variant={self.variant!r})"
+        agg = "" if self.required_aggregation == "seq-mean-token-mean" else f", aggregation={self.required_aggregation!r}"
+        return (f"{type(self).__name__}(eps_low={self.eps_low}, eps_high={self.eps_high}, "
+                f"variant={self.variant!r}{agg})")
 
     def __call__(self, inputs: LossInputs) -> LossOutputs:
         valid, mask, logp, _, adv, log_r, r = tokens(inputs)  # [B, T] each; r anchored on mu
@@ -97,5 +116,22 @@ class GSPOToken(GSPO):
         GSPOToken(eps_low=0.0003, eps_high=0.0004, variant='token')
     """
 
-    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4) -> None:
-        super().__init__(eps_low=eps_low, eps_high=eps_high, variant="token")
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4,
+                 aggregation: str = "seq-mean-token-mean") -> None:
+        super().__init__(eps_low=eps_low, eps_high=eps_high, variant="token", aggregation=aggregation)
+
+
+class LUSPO(GSPO):
+    """LUSPO (arXiv 2602.05261): GSPO with each sequence's loss weighted by its length, i.e. `GSPO(aggregation=
+    "seq-mean-token-sum")` under its own name (`luspo`). Same clip defaults as GSPO.
+
+    Example:
+        >>> LUSPO().required_aggregation
+        'seq-mean-token-sum'
+    """
+
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4, variant: str = "sequence") -> None:
+        super().__init__(eps_low=eps_low, eps_high=eps_high, variant=variant, aggregation="seq-mean-token-sum")
+
+    def __repr__(self) -> str:
+        return f"LUSPO(eps_low={self.eps_low}, eps_high={self.eps_high}, variant={self.variant!r})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from astratk.contracts import Env, PolicyLoss, TokenCorrection
+from astratk.contracts import Env, PolicyLoss, TokenCorrection, check_double_weighting
 from astratk.spec import rules
 from astratk.spec.base import Section, default_plugin
 from astratk.spec.cluster import ClusterSpec
@@ -47,6 +47,7 @@ class PolicySpec(Section):
                 raise ValueError(  # noqa: TRY004
                     f"{key}.corrections[{j}]: expected an astratk.contracts.TokenCorrection, got "
                     f"{type(corr).__name__}")
+        check_double_weighting(self.loss, self.corrections, key)
         self.trainer.validate(f"{key}.trainer")
 
 

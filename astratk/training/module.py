@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from astratk.contracts import PolicyLoss, TokenCorrection
+from astratk.contracts import PolicyLoss, TokenCorrection, check_double_weighting
 from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
 from astratk.spec import LoraSpec, TrainerSpec
@@ -115,6 +115,7 @@ class PolicyModule(BatchUpdates, MicroBatchSteps, PolicyForwards, LossTerms, Ste
         # run each group's shared prompt once (`astratk.training.prefix`); None until checked on the first batch
         self.share_prompts: bool | None = None if share_prompts else False
         self.corrections, self.correction_names = check_corrections(corrections)
+        check_double_weighting(loss, self.corrections)
         self.kl_coef, self.kl_estimator = float(kl_coef), check_kl_estimator(kl_estimator)
         self.entropy_coef = float(entropy_coef)
         model = load_causal_lm(model_path, torch.float32)

@@ -26,7 +26,9 @@ def test_astratk_run_cli_end_to_end(tmp_path):
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    cli = [sys.executable, "-m", "astratk.cli", "run", "--config", str(path), "--rollout.temperature", "0.9"]
+    # `python -m astratk`: the package's __main__ must keep its CLI call under the main guard, or the local cluster's
+    # worker processes (which re-import the main module) would run it again, and the run refuses to start
+    cli = [sys.executable, "-m", "astratk", "run", "--config", str(path), "--rollout.temperature", "0.9"]
     proc = subprocess.run(cli, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

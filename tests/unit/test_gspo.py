@@ -116,3 +116,26 @@ def test_required_aggregation_and_repr():
     assert GSPO.required_aggregation == GSPOToken.required_aggregation == "seq-mean-token-mean"
     assert repr(GSPO()) == "GSPO(eps_low=0.0003, eps_high=0.0004, variant='sequence')"
     assert GSPOToken().variant == "token" and math.isclose(GSPOToken(1e-3, 2e-3).eps_high, 2e-3)
+
+
+def test_luspo_length_weighting_through_seq_mean_token_sum():
+    # two sequences of 1 and 3 tokens, A = 1, r = 1 (s = 1, inside the clip). Per token, d s_i / d log pi_it = s_i / n_i.
+    # seq-mean-token-mean (GSPO): loss = (1/N) sum_i loss_i -> grad -A s_i / (N n_i) = (-1/2; -1/6, -1/6, -1/6)
+    # seq-mean-token-sum (LUSPO): loss = (1/N) sum_i n_i loss_i -> grad -A s_i / N = -1/2 on every token: a long
+    # answer's tokens are no longer worth less than a short one's
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    grads = {}
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        lp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+        loss = GSPO(aggregation=agg)
+        out = loss(LossInputs(lp, lp.detach(), torch.ones(2, 3, dtype=torch.float64), mask))
+        value = aggregate(out.token_losses, out.mask, loss.required_aggregation)
+        (grads[agg],) = torch.autograd.grad(value, lp)
+        assert value.item() == pytest.approx(-1.0 if agg == "seq-mean-token-mean" else -2.0)
+    torch.testing.assert_close(grads["seq-mean-token-mean"],
+                               torch.tensor([[-0.5, 0, 0], [-1 / 6, -1 / 6, -1 / 6]], dtype=torch.float64))
+    torch.testing.assert_close(grads["seq-mean-token-sum"], -0.5 * mask)
+    assert repr(GSPO(aggregation="seq-mean-token-sum")).endswith("aggregation='seq-mean-token-sum')")
+    assert GSPOToken(aggregation="token-mean").required_aggregation == "token-mean"
+    with pytest.raises(ValueError, match="unknown aggregation 'luspo'"):
+        GSPO(aggregation="luspo")

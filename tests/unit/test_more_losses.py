@@ -301,7 +301,9 @@ def test_cispo_lower_clip():
 
 
 # ------------------------------------------------------------------------------------------------------ shared checks
-NEW = [DecoupledPPO(), DecoupledPPO(behavior_weight_cap=3.0), GPG(), GMPO(), ClipCov(clip_ratio=0.5, cov_low=-1.0),
+NEW = [DecoupledPPO(), DecoupledPPO(behavior_weight_cap=3.0),
+       DecoupledPPO(behavior_weight_cap=3.0, cap_mode="truncate", weight_level="sequence", dual_clip=3.0),
+       DecoupledPPO(weight_level="geometric"), GPG(), GMPO(), ClipCov(clip_ratio=0.5, cov_low=-1.0),
        KLCov(kl_ratio=0.5), CISPO(ratio_floor=0.5)]
 
 
@@ -361,3 +363,74 @@ def test_docstring_examples_run(module):
 def test_bad_config_raises_with_fix(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+# ------------------------------------------------------------------------------------ decoupled PPO: the peers' options
+def test_decoupled_truncated_weight_keeps_a_capped_gradient():
+    # w = prox / mu = (10, 1.25), cap 5, pi = prox (u = 1), A = 1: mask mode drops token 0 (AReaL's default);
+    # truncate mode keeps it with w = min(10, 5) = 5, so its gradient is -A w u = -5
+    logp, log_mu, adv = torch.log(T_([[0.5, 0.5]])), torch.log(T_([[0.05, 0.4]])), T_([[1.0, 1.0]])
+    g, out = _grad(DecoupledPPO(behavior_weight_cap=5.0, cap_mode="truncate"), logp, log_mu, adv,
+                   proximal_logprobs=logp.clone())
+    torch.testing.assert_close(g[0], T_([-5.0, -1.25]))
+    torch.testing.assert_close(out.token_losses[0], T_([-5.0, -1.25]))
+    assert out.metrics["weight_capped_frac"].item() == 0.5
+    assert out.metrics["behavior_weight_max"].item() == pytest.approx(10.0)
+    assert "cap_mode='truncate'" in repr(DecoupledPPO(behavior_weight_cap=5.0, cap_mode="truncate"))
+
+
+def test_decoupled_sequence_level_weights():
+    # one sequence of two tokens: prox / mu = (2, 0.5) per token -> product 1, geometric mean 1; a second sequence
+    # (4, 1): product 4, geometric mean 2. pi = prox (u = 1), A = 1: the gradient on each token is -w_sequence.
+    prox = torch.log(T_([[0.4, 0.2], [0.4, 0.3]]))
+    log_mu = torch.log(T_([[0.2, 0.4], [0.1, 0.3]]))
+    adv = torch.ones(2, 2, dtype=DT)
+    g, _ = _grad(DecoupledPPO(weight_level="sequence"), prox, log_mu, adv, proximal_logprobs=prox)
+    torch.testing.assert_close(g, T_([[-1.0, -1.0], [-4.0, -4.0]]))
+    g, _ = _grad(DecoupledPPO(weight_level="geometric"), prox, log_mu, adv, proximal_logprobs=prox)
+    torch.testing.assert_close(g, T_([[-1.0, -1.0], [-2.0, -2.0]]))
+    # a sequence weight over the cap masks the whole sequence (mask mode) or truncates it (truncate mode)
+    g, out = _grad(DecoupledPPO(weight_level="sequence", behavior_weight_cap=3.0), prox, log_mu, adv,
+                   proximal_logprobs=prox)
+    torch.testing.assert_close(g, T_([[-1.0, -1.0], [0.0, 0.0]]))
+    assert out.metrics["weight_capped_frac"].item() == 0.5
+    g, _ = _grad(DecoupledPPO(weight_level="sequence", behavior_weight_cap=3.0, cap_mode="truncate"), prox, log_mu,
+                 adv, proximal_logprobs=prox)
+    torch.testing.assert_close(g, T_([[-1.0, -1.0], [-3.0, -3.0]]))
+    # padding does not enter a sequence's weight
+    mask = T_([[1.0, 1.0], [1.0, 0.0]])
+    g, _ = _grad(DecoupledPPO(weight_level="sequence"), prox, log_mu, adv, mask=mask, proximal_logprobs=prox)
+    torch.testing.assert_close(g, T_([[-1.0, -1.0], [-4.0, 0.0]]))
+
+
+def test_decoupled_dual_clip_caps_negative_advantage_tokens():
+    # A = -1, mu = prox = 0.1, pi = 0.5: u = 5 > c = 3, so the loss is capped at -c A = 3 and the gradient is 0;
+    # without the dual clip the loss is -A u = 5 with gradient 5. A positive-advantage token is untouched.
+    logp, prox, adv = torch.log(T_([[0.5, 0.11]])), torch.log(T_([[0.1, 0.1]])), T_([[-1.0, 1.0]])
+    g, out = _grad(DecoupledPPO(dual_clip=3.0), logp, prox, adv, proximal_logprobs=prox)
+    torch.testing.assert_close(out.token_losses[0], T_([3.0, -1.1]))
+    torch.testing.assert_close(g[0], T_([0.0, -1.1]))
+    assert out.metrics["dual_clip_frac"].item() == 0.5
+    g, out = _grad(DecoupledPPO(), logp, prox, adv, proximal_logprobs=prox)
+    torch.testing.assert_close(g[0], T_([5.0, -1.1]))
+    # with mu != prox the capped loss is still scaled by w (here 2): 2 * 3
+    _, out = _grad(DecoupledPPO(dual_clip=3.0), logp, prox - math.log(2.0), adv, proximal_logprobs=prox)
+    torch.testing.assert_close(out.token_losses[0, 0], T_(6.0))
+
+
+@pytest.mark.parametrize("bad", [{"cap_mode": "clip"}, {"weight_level": "seq"}, {"dual_clip": 1.0}])
+def test_decoupled_refuses_unknown_options(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        DecoupledPPO(**bad)
+
+
+def test_decoupled_with_a_reweighting_correction_is_refused_in_one_line():
+    from astratk.losses.corrections import MIS, TIS
+    from astratk.spec import PolicySpec
+
+    for corr in (TIS(), MIS()):
+        with pytest.raises(ValueError, match="applied twice") as e:
+            PolicySpec(loss=DecoupledPPO(), corrections=[corr]).validate()
+        assert "\n" not in str(e.value) and "MIS(weight=False)" in str(e.value)
+    PolicySpec(loss=DecoupledPPO(), corrections=[MIS(weight=False)]).validate()  # a mask only: fine
+    PolicySpec(loss=PPOClip(), corrections=[TIS(), MIS()]).validate()  # a loss anchored on mu: fine
