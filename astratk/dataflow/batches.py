@@ -58,6 +58,12 @@ class PolicyServing:
     replay: Replay | None = None
     mixing: Mixing | None = None
 
+    def __post_init__(self) -> None:
+        if self.prefetch_groups < self.groups_per_step:
+            raise ValueError(f"prefetch_groups ({self.prefetch_groups}) must be >= groups_per_step "
+                             f"({self.groups_per_step}): leasing stops at prefetch_groups buffered or in flight, so no "
+                             "step would ever be served (dataflow.prefetch_steps >= 1)")
+
     def stages(self) -> dict[str, Stage]:
         named = {"staleness": self.staleness, "order": self.order, "replay": self.replay,
                  "mixing": self.mixing}

@@ -53,7 +53,8 @@ class DataflowSpec(Section):
     max_task_attempts: int = 3
     """a task whose rollout failed this many times is dropped, counted"""
     prefetch_steps: float = 2.0
-    """back-pressure: lease only while buffered + in-flight tasks < this many steps' worth"""
+    """back-pressure: lease only while buffered + in-flight tasks < this many steps' worth; >= 1 (a step is served
+    only once a whole step's groups are buffered), 1 for the most on-policy pipeline"""
     curators: list[Curator] = field(default_factory=list)
     """before rollout: every curator must accept a new task (accept_all | filter_solved | greso | curriculum)"""
     max_curator_skips: int = 10_000
@@ -86,6 +87,11 @@ class DataflowSpec(Section):
         positive(key, lease_timeout_s=self.lease_timeout_s, prefetch_steps=self.prefetch_steps,
                   max_task_attempts=self.max_task_attempts,
                   max_curator_skips=self.max_curator_skips)
+        if self.prefetch_steps < 1:
+            raise ValueError(f"{key}.prefetch_steps must be >= 1, got {self.prefetch_steps}: a step is served only "
+                             f"once groups_per_step groups are buffered, and leasing stops at prefetch_steps steps' "
+                             f"worth, so step 0 would never come. Use 1 (lease one step ahead: the most on-policy) "
+                             f"or more (2 is the default)")
         if self.version_barrier is not None and self.version_barrier < 0:
             raise ValueError(f"{key}.version_barrier must be >= 0 (0 = lock-step) or null (off), "
                              f"got {self.version_barrier}")

@@ -117,3 +117,24 @@ def test_worker_start_is_checked_and_resolved():
 
     expected = "forkserver" if sys.platform.startswith("linux") and not torch.cuda.is_available() else "spawn"
     assert resolve_start_method("auto") == expected
+
+
+@pytest.mark.parametrize("prefetch", [0.5, 0.99])
+def test_prefetch_below_one_step_is_refused_in_one_line(tmp_path, capsys, prefetch):
+    # leasing stops at prefetch_steps steps' worth buffered or in flight, and a step is served only with a whole
+    # step's groups: below 1, step 0 would never come (the run would wait for ever, blaming the rollout workers)
+    config = {"dataflow": {"prefetch_steps": prefetch}, "policies": [{"trainer": {"groups_per_step": 4}}]}
+    assert main(["run", "--config", write(tmp_path, config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "dataflow.prefetch_steps must be >= 1" in err and "step 0 would never come" in err
+    assert len(err.splitlines()) == 1
+    RunSpec(dataflow=__import__("astratk.spec", fromlist=["DataflowSpec"]).DataflowSpec(prefetch_steps=1)).validate()
+
+
+def test_a_data_layer_built_by_hand_refuses_a_prefetch_below_one_step():
+    from astratk.dataflow.batches import PolicyServing
+    from astratk.dataflow.stages.serving import ServingOrder, Staleness
+
+    with pytest.raises(ValueError, match=r"prefetch_groups \(2\) must be >= groups_per_step \(4\)"):
+        PolicyServing(groups_per_step=4, publish_every=1, final_version=10, prefetch_groups=2,
+                      staleness=Staleness(2), order=ServingOrder())
