@@ -199,7 +199,8 @@ def _run(argv: list[str]) -> int:
 def _probe(argv: list[str]) -> int:
     """`astratk probe --config RUN.yaml [--tasks N] [--eval_tasks N] [overrides]`: N train tasks (default 32) rolled
     out with the run's engine, sampling and group size in this process, and N held-out tasks decoded greedily; prints
-    the signal the run would get and what to change."""
+    the signal the run would get and what to change. Exits 1 when every probed task was dropped before generation (a
+    run would have nothing to train)."""
     if not argv or any(a in ("-h", "--help") for a in argv):
         print(_probe.__doc__)
         return 0
@@ -225,7 +226,7 @@ def _probe(argv: list[str]) -> int:
         print(f"astratk probe: {e}", file=sys.stderr)
         return 2
     print(report)
-    return 0
+    return 1 if report.nothing_to_train else 0  # a script can gate a run on it
 
 
 def _stopped_early(command: str, summary: dict[str, Any]) -> int:

@@ -265,10 +265,12 @@ class DataLayerClient:
 
     def wait_batch(self, policy_id: str, step: int, rank: int = 0, world_size: int = 1, *,
                    timeout: float = 300.0, poll_s: float = 0.02,
-                   deadline: float | None = None) -> list[Group] | None:
+                   deadline: float | None = None,
+                   stop: Callable[[], bool] | None = None) -> list[Group] | None:
         """Poll `next_batch` until it is ready. After `timeout` seconds raise `BatchTimeout` naming
         the wait (and the data layer's counters, to show where samples went); at `deadline` (a
-        `time.monotonic()` value: the caller's own time limit, not a fault) return None instead."""
+        `time.monotonic()` value: the caller's own time limit, not a fault), or once `stop()` is
+        true (checked about once a second: the run asked its trainers to stop), return None instead."""
         start = time.monotonic()
         delay = poll_s
         checked = start
@@ -282,6 +284,8 @@ class DataLayerClient:
             # a paused run is not a stalled one: the timeout restarts after the pause
             if now - checked > 1.0:
                 checked = now
+                if stop is not None and stop():
+                    return None
                 if self.is_paused():
                     start = now
             waited = time.monotonic() - start

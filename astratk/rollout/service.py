@@ -42,6 +42,7 @@ from astratk.weights.delta import SparseDelta
 from astratk.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
+TOO_LONG_LINES = 5  # tasks dropped as too long that get a log line each; past them, a count at 10, 100, 1000...
 
 
 def get_service(ctx: RunContext) -> RolloutService:
@@ -71,6 +72,7 @@ class RolloutService:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.spec = ctx.spec
+        self._too_long = 0  # tasks this service dropped before generation (their log lines thin out)
         from astratk import cpu
 
         torch.set_num_threads(cpu.run_threads(self.spec).rollout)
@@ -255,7 +257,14 @@ class RolloutService:
             return LeaseResult(lease.lease_id, (), time.perf_counter() - start, attempt=lease.attempt,
                                failure="episode_timeout", **stamp)
         except PromptTooLong as e:  # every attempt would fail alike: the data layer drops the task, counted
-            log.warning("task %r dropped before generation: %s", lease.task.task_id, e)
+            self._too_long += 1
+            n = self._too_long
+            if n <= TOO_LONG_LINES:  # the first ones in full; then a count at 10, 100, 1000...: never a flood
+                log.warning("task %r dropped before generation: %s", lease.task.task_id, e)
+            elif n == 10 ** len(str(n - 1)):
+                log.warning("%d tasks dropped before generation on this worker so far, prompts longer than the "
+                            "model's context (the latest: %r, %s); the metric data/tasks_dropped_prompt_too_long "
+                            "counts them all, drop_task_ids names them", n, lease.task.task_id, e)
             return LeaseResult(lease.lease_id, (), time.perf_counter() - start, attempt=lease.attempt,
                                dropped="prompt_too_long", **stamp)
         if slowdown > 1.0:  # simulated slower hardware (astratk.runtime.pools): generation takes `slowdown` x as long

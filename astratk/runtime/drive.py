@@ -18,6 +18,7 @@ from typing import Any
 
 from astratk.runtime.starvation import StarvationMonitor
 from astratk.runtime.trainers import TrainerProcesses, trainer_dir
+from astratk.spec import NothingToTrain
 
 # Runs a run's trainers to their end; per policy, what its fit reported (`build.fit_result`).
 Fit = Callable[[], dict[str, dict[str, Any]]]
@@ -49,6 +50,8 @@ def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
 
 class Drive:
     """`Session`'s run loop and controls; the attributes it reads are set by `Session.__init__` and its set-up."""
+
+    nothing_to_train: str | None = None  # set when the run finds it cannot train anything (the line that says why)
 
     # --------------------------------------------------------------------------- pause/resume
     def pause(self) -> None:
@@ -133,6 +136,8 @@ class Drive:
                 writer()
                 self.evaluator.stop()
                 self.deployment.acquisition.stop()
+            if self.nothing_to_train is not None:
+                raise NothingToTrain(self.nothing_to_train)
             base = self._first_evaluation(first_eval, first)
             errors = [res.pop("error") for res in results.values() if res.get("error") is not None]
             self.trainer_error = errors[0] if errors else None
@@ -153,7 +158,13 @@ class Drive:
         streams = {self.spec.policies[0].policy_id: self.stream} if self.stream is not None else {}
         return StarvationMonitor(self.spec, self.deployment.datalayer, self.print, streams=streams,
                                  greedy=self._greedy_accuracy, tools=getattr(self, "tools_shown", {}),
-                                 busy=self.evaluator.running).start()
+                                 busy=self.evaluator.running, on_nothing=self._nothing_to_train).start()
+
+    def _nothing_to_train(self, line: str) -> None:
+        """The run cannot train anything (`starvation.nothing_to_train`): stop the trainers (their wait for a batch ends
+        with it), and let `_drive` end the run with `NothingToTrain`, which carries the line."""
+        self.nothing_to_train = line
+        self.request_stop()
 
     def _greedy_accuracy(self, policy_id: str) -> float | None:
         """The newest held-out (greedy) accuracy of a policy, where an evaluation has run."""

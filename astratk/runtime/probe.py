@@ -64,10 +64,24 @@ class ProbeReport:
     seconds: float
     tokens: int
     policies: dict[str, PolicyProbe]
+    too_long: int = 0  # train tasks dropped before generation: their prompt leaves no room in the model's context
+
+    @property
+    def nothing_to_train(self) -> bool:
+        """Every probed task was dropped before generation: a run of this config would stop with nothing to train."""
+        return self.too_long >= self.n_tasks
 
     def __str__(self) -> str:
         rows = [(f"probe: {self.n_tasks} train tasks in {self.seconds:.0f}s ({self.tokens / max(self.seconds, 1e-9):.0f} "
                 "sampled tokens/s)")]
+        if self.nothing_to_train:
+            rows.append(f"nothing to train: all {self.n_tasks} tasks were dropped before generation, each prompt "
+                        "longer than the model's context (the lines above name the context); a run would stop at "
+                        "once. Shorten the prompts, or use a model with a longer context")
+        elif self.too_long:
+            rows.append(f"{self.too_long} of {self.n_tasks} tasks were dropped before generation, their prompts longer "
+                        "than the model's context: a run drops such tasks too, counted "
+                        "(data/tasks_dropped_prompt_too_long)")
         for p in self.policies.values():
             greedy = f", greedy held-out {p.greedy_accuracy:.3f}" if p.greedy_accuracy is not None else ""
             rows.append(f"policy {p.policy_id!r}: mean reward {p.reward_mean:.3f}, pass@1 {p.pass_at_1:.3f}, "
@@ -75,6 +89,9 @@ class ProbeReport:
                         f"({p.signal_groups}/{p.groups}); {p.unfinished:.0%} of samples hit max_new_tokens")
             if p.agent is not None:
                 rows.append("  " + p.agent.line())
+            if not p.groups:
+                rows.append("  no group was rolled out for this policy: nothing to judge the signal by")
+                continue
             rows.append("  " + ("to get more signal: " + "; ".join(p.advice) if p.advice else
                                 "enough signal to train: every group with unequal rewards is a learning step's input"))
         return "\n".join(rows)
@@ -144,7 +161,8 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     tokens = sum(len(t.tokens) - t.n_prompt for g in groups for t in g.trajectories)
     policies = {p.policy_id: _summarise(p.policy_id, [g for g in groups if g.policy_id == p.policy_id], spec,
                                         greedy.get(p.policy_id), tools.get(p.policy_id)) for p in spec.policies}
-    return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies)
+    too_long = sum(1 for res in results if res.dropped == "prompt_too_long")
+    return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies, too_long)
 
 
 def _first(iterable: Any, n: int) -> list[Any]:

@@ -33,7 +33,7 @@ from astratk.models.hub import is_hub_id, resolve
 from astratk.models.pypi import is_pypi_path, resolve_pypi
 from astratk.runtime.main_guard import check_main_guard
 from astratk.runtime.view import LiveView, render
-from astratk.spec import RunSpec
+from astratk.spec import NothingToTrain, RunSpec
 
 
 @dataclass
@@ -163,8 +163,9 @@ class Run:
                 self.session = session
                 self._ready.set()
                 summary = session.serve() if serve_as else session.train()
-        except BaseException:
-            if not entered:  # a run whose set-up failed leaves nothing behind
+        except BaseException as e:
+            # a run whose set-up failed leaves nothing behind, nor does one that found it had nothing to train
+            if not entered or isinstance(e, NothingToTrain):
                 _remove_dirs(made)
             raise
         finally:

@@ -21,6 +21,23 @@ from typing import Any
 from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading, SignalReading, describe
 
 NO_ROLLOUT_S = 60.0  # a wait this long with no rollout at all is said; shorter ones are engines starting
+TOO_LONG_CHUNKS = 2  # a run whose first this-many chunks per rollout worker were all too long stops
+
+
+def nothing_to_train(spec: Any, metrics: dict[str, float]) -> str | None:
+    """The line that ends a run which cannot train anything, or None: every task completed so far was dropped before
+    generation because its prompt leaves no room in the model's context, there are at least the first
+    `TOO_LONG_CHUNKS` chunks' worth of them per rollout worker, and no group has arrived for any policy."""
+    too_long = metrics.get("data/tasks_dropped_prompt_too_long", 0.0)
+    completed = metrics.get("data/tasks_completed", 0.0)
+    workers = sum(c.count for c in spec.cluster.pools) if spec.cluster.pools else spec.cluster.rollout_workers
+    first = TOO_LONG_CHUNKS * spec.rollout.tasks_per_chunk * max(1, workers)
+    received = sum(metrics.get(f"data/{p.policy_id}/groups_received", 0.0) for p in spec.policies)
+    if received or too_long < first or too_long < completed:
+        return None
+    return (f"nothing to train: all {too_long:.0f} tasks rolled out so far were dropped before generation, each prompt "
+            "longer than the model's context (the lines above name them and the context); shorten the prompts, or "
+            "use a model with a longer context. `astratk probe` checks this before a run")
 
 
 @dataclass
@@ -38,8 +55,10 @@ class StarvationMonitor:
     def __init__(self, spec: Any, datalayer: Any, printer: Callable[[str], None], *,
                  streams: dict[str, Any] | None = None, greedy: Callable[[str], float | None] | None = None,
                  tools: dict[str, tuple[bool, str]] | None = None, busy: Callable[[], str | None] | None = None,
+                 on_nothing: Callable[[str], None] | None = None,
                  check_s: float = 5.0, after_s: float = 20.0, repeat_s: float = 60.0) -> None:
         self.spec, self.datalayer, self.print = spec, datalayer, printer
+        self.on_nothing = on_nothing  # called once, with the line, when the run cannot train anything
         self.tools = dict(tools or {})  # policy -> (tools shown to its model, the tool format), for envs with tools
         self.busy = busy or (lambda: None)  # the held-out evaluations that share the rollout workers, in words
         self.streams = dict(streams or {})
@@ -79,6 +98,12 @@ class StarvationMonitor:
     def check(self, now: float) -> list[str]:
         """One reading (the loop calls it every `check_s`); returns the lines printed."""
         metrics = self.datalayer.metrics(timeout=10)
+        if self.on_nothing is not None:
+            line = nothing_to_train(self.spec, metrics)
+            if line is not None:
+                on_nothing, self.on_nothing = self.on_nothing, None
+                on_nothing(line)
+                return [line]
         drops = _group_drops(self.datalayer.drops(timeout=10))
         printed = []
         for p in self.spec.policies:

@@ -34,7 +34,7 @@ Extending: add a field with a default to the section that owns the concept, and 
 
 from __future__ import annotations
 
-from astratk.spec.base import Section, StartError
+from astratk.spec.base import NothingToTrain, Section, StartError
 from astratk.spec.cluster import SCORE_LABEL, AutoscaleSpec, ClusterSpec, TLSSpec, WorkerClass
 from astratk.spec.dataflow import DataflowSpec, SnapshotSpec
 from astratk.spec.eval import EvalSpec
@@ -45,6 +45,6 @@ from astratk.spec.trainer import ACCELERATORS, PRECISIONS, DivergenceSpec, Train
 from astratk.spec.weights import WeightsSpec
 
 __all__ = ["ACCELERATORS", "PRECISIONS", "SCORE_LABEL", "AutoscaleSpec", "ClusterSpec", "DataflowSpec",
-           "DivergenceSpec", "EvalSpec", "LoraSpec", "ModelSpec", "PolicySpec", "RolloutSpec", "RunSpec", "Section",
+           "DivergenceSpec", "EvalSpec", "LoraSpec", "ModelSpec", "NothingToTrain", "PolicySpec", "RolloutSpec", "RunSpec", "Section",
            "SnapshotSpec", "StartError", "TLSSpec", "TinyModelSpec", "TrainerSpec", "WarmStartSpec", "WeightsSpec",
            "WorkerClass"]

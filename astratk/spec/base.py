@@ -28,6 +28,11 @@ class StartError(ValueError):
     directory that does not load): the message is one line naming the key; the CLI prints it alone."""
 
 
+class NothingToTrain(StartError):
+    """Found once rollouts began: the run cannot train anything (every task of its first chunks was dropped before
+    generation, its prompt longer than the model's context). The run stops at once and leaves no run directory."""
+
+
 
 def default_plugin(kind: str, name: str) -> Any:
     """A registry plug-in built with its defaults (a field's default_factory: the default loss, env, ...)."""

@@ -149,6 +149,7 @@ def callbacks(spec: RunSpec, policy_id: str, *, stream: GroupStream, store: Weig
     from astratk.training.publish import WeightPublisher
 
     recorder = StepRecorder(stream, extra=extra)
+    stream.stop_file = Path(stop_file)  # a stop also ends a wait for a batch, not only the step after it
     ts = spec.policy(policy_id).trainer
     publisher = WeightPublisher(store, stream.datalayer, policy_id, ts.publish_every,
                                 publish_skipped=spec.dataflow.synchronous, background=ts.publish_in_background)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -66,6 +67,9 @@ class GroupStream(IterableDataset):
         self.total_wait_s = 0.0
         self.stop_reason: str | None = None  # why the stream starved, in words (None: it did not)
         self.waiting_since: float | None = None  # time.monotonic() when the current wait for a batch began
+        # a file whose appearance ends a wait for a batch (the run asked its trainers to stop: `Run.stop()`, or a run
+        # that found it has nothing to train); set by `build.callbacks` to the trainer's STOP file
+        self.stop_file: Path | None = None
 
     def __iter__(self) -> Iterator[StepTicket]:
         step = self.start_step
@@ -99,7 +103,8 @@ class GroupStream(IterableDataset):
         before = (dl.metrics(), dl.drops())
         deadline = None if time_left is None else time.monotonic() + max(0.0, time_left)
         try:
-            groups = dl.wait_batch(*args, timeout=self.timeout_s, deadline=deadline)
+            stop = None if self.stop_file is None else self.stop_file.exists
+            groups = dl.wait_batch(*args, timeout=self.timeout_s, deadline=deadline, stop=stop)
         except BatchTimeout as e:
             self.stop_reason = starvation_reason(self.policy_id, step, e.waited, before, (dl.metrics(), dl.drops()))
             return EndOfStream(step, self.stop_reason)

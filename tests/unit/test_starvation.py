@@ -163,3 +163,48 @@ def test_no_rollout_while_the_workers_evaluate_is_said_as_such():
     busy["now"] = None
     [line] = mon.check(122.0)
     assert "are the rollout workers alive?" in line
+
+
+def test_a_run_whose_first_chunks_were_all_too_long_is_ended_once():
+    # rollout.tasks_per_chunk 8, one rollout worker: the first 2 chunks = 16 tasks. Until then, or once any task
+    # completes normally, or once any group arrives, the run goes on.
+    from astratk.runtime.starvation import nothing_to_train
+
+    spec = RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(tasks_per_chunk=8))
+    at = lambda too_long, completed, groups=0: {"data/tasks_dropped_prompt_too_long": too_long,
+                                                "data/tasks_completed": completed,
+                                                "data/main/groups_received": groups}
+    assert nothing_to_train(spec, at(15, 15)) is None  # not yet two chunks
+    assert nothing_to_train(spec, at(16, 17)) is None  # one task fitted
+    assert nothing_to_train(spec, at(40, 40, groups=1)) is None  # a group arrived
+    line = nothing_to_train(spec, at(16, 16))
+    assert line.startswith("nothing to train: all 16 tasks rolled out so far were dropped before generation")
+    spec.cluster.rollout_workers = 3
+    assert nothing_to_train(spec, at(16, 16)) is None and nothing_to_train(spec, at(48, 48)) is not None
+    # the monitor calls its callback once, with the line, and prints nothing itself
+    dl, ended = FakeDataLayer(), []
+    mon = StarvationMonitor(RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(tasks_per_chunk=8)), dl,
+                            lambda s: None, on_nothing=ended.append)
+    dl.m = at(10, 10)
+    assert mon.check(0.0) == [] and ended == []
+    dl.m = at(20, 20)
+    assert mon.check(5.0) == [ended[0]] and ended[0].startswith("nothing to train")
+    mon.check(10.0)
+    assert len(ended) == 1
+
+
+def test_a_wait_for_a_batch_ends_when_the_trainer_is_asked_to_stop(tmp_path):
+    # `Run.stop()` (and a run with nothing to train) write the trainer's STOP file: a trainer waiting for a batch that
+    # will not come sees it within about a second, instead of waiting out trainer.batch_timeout_s
+    import threading
+    import time
+
+    from astratk.dataflow.client import DataLayerClient
+    from astratk.dataflow.datalayer import DataLayer
+
+    client = DataLayerClient(DataLayer(RunSpec().validate()))
+    stop = tmp_path / "STOP"
+    threading.Timer(0.5, stop.touch).start()
+    started = time.monotonic()
+    assert client.wait_batch("main", 0, timeout=60, stop=stop.exists) is None
+    assert time.monotonic() - started < 5
