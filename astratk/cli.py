@@ -188,6 +188,9 @@ def _run(argv: list[str]) -> int:
     if spec is None:
         return 2
 
+    from astratk.runtime import warm
+
+    warm.one_run_per_process()  # the command exits after this run: its cluster is closed, not kept for another
     try:
         result = Run(spec).start()
     except StartError as e:  # bad input found at start, before anything was written: one line

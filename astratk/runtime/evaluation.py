@@ -66,7 +66,8 @@ class Evaluator:
                 self._running.pop(id(future), None)
         t0 = self.train_t0
         record = {**out, "evaluated_at": time.time(),
-                  "train_time_s": (out["published_at"] - t0) if t0 is not None else float("nan")}
+                  # weights published before training began (v0) existed at its start: 0, not a negative time
+                  "train_time_s": max(0.0, out["published_at"] - t0) if t0 is not None else float("nan")}
         with self._lock:
             self.records.append(record)
         if self.on_record is not None:

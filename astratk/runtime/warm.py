@@ -102,10 +102,21 @@ def take(key: str | None) -> Any | None:
     return None
 
 
+_one_shot = False  # this process runs one run and exits (the `astratk run` command): nothing to keep a cluster for
+
+
+def one_run_per_process() -> None:
+    """Declare that this process runs one run and exits (the CLI does): its cluster is closed at the run's end
+    instead of kept for a next run that will not come."""
+    global _one_shot
+    _one_shot = True
+
+
 def give_back(cluster: Any, key: str | None, keep_s: float, planned: set[str], reusable: bool) -> str:
     """At a run's end: keep `cluster` for the next run (`keep_s` seconds) or close it. `planned` is the worker names
     the run started with; `reusable` is False when the run found a reason not to keep it. Says which, for the log."""
-    if key is None or keep_s <= 0 or not reusable or set(cluster.worker_spec) != planned or not _healthy(cluster):
+    if (key is None or keep_s <= 0 or _one_shot or not reusable or set(cluster.worker_spec) != planned
+            or not _healthy(cluster)):
         _close(cluster)
         return "closed"
     timer = threading.Timer(keep_s, _expire, args=(key, cluster))

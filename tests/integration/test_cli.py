@@ -33,8 +33,13 @@ def test_astratk_run_cli_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "held-out accuracy:" in out and "training: 2 steps" in out
+    assert "kept for the next run" not in out  # the command exits after its run: nothing to keep its cluster for
     metrics = Path(next(line.split(": ", 1)[1] for line in out.splitlines() if line.strip().startswith("metrics:")))
     assert metrics.is_file()
+    from astratk.metrics import load
+
+    evals = load(metrics)["eval_train_time_s"].values
+    assert (evals[evals == evals] >= 0).all()  # v0 was published before training began: 0 s, never negative
     saved = yaml.safe_load((metrics.parent / "config.yaml").read_text())
     assert saved["rollout"]["temperature"] == 0.9  # the override reached the run
 
