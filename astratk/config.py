@@ -180,10 +180,25 @@ def _expand_flags(args: list[str]) -> list[str]:
     return out
 
 
+POLICY_ALIASES = ("trainer", "model", "loss", "corrections")  # `--trainer.lr 1e-5` for `--policies.trainer.lr 1e-5`
+
+
+def _policy_alias(arg: str) -> str | None:
+    """The section a one-policy shorthand flag names (`--trainer.max_time_s` -> trainer), or None."""
+    if not arg.startswith("--"):
+        return None
+    head = arg[2:].partition("=")[0].split(".")[0]
+    return head if head in POLICY_ALIASES else None
+
+
 def parse(argv: list[str]) -> RunSpec:
-    """Parse CLI-style arguments (`--config FILE` plus dotted overrides) into a validated RunSpec."""
+    """Parse CLI-style arguments (`--config FILE` plus dotted overrides) into a validated RunSpec. A one-policy run's
+    policy keys may be given without `policies.`: `--trainer.max_time_s 120` is `--policies.trainer.max_time_s 120`
+    (as `astratk train fit` takes them); a run of several policies refuses the shorthand."""
     # --config=FILE as --config FILE: every config file is read here (strictly), never by jsonargparse's own loader
     args = [part for a in argv for part in (a.split("=", 1) if a.startswith(("--config=", "-c=")) else [a])]
+    aliased = sorted({f"--{h}" for a in args if (h := _policy_alias(a)) is not None})
+    args = [f"--policies.{a[2:]}" if _policy_alias(a) is not None else a for a in args]
     args = _expand_flags(args)
     args = ["--config" if a == "-c" else a for a in args]
     for i, a in enumerate(args):
@@ -204,7 +219,12 @@ def parse(argv: list[str]) -> RunSpec:
     except ArgumentError as e:
         raise ValueError(f"bad configuration: {_one_line(str(e))}") from None
     fields = {f.name for f in dataclasses.fields(RunSpec)}
-    return RunSpec(**{k: v for k, v in vars(init).items() if k in fields}).validate()
+    spec = RunSpec(**{k: v for k, v in vars(init).items() if k in fields})
+    if aliased and len(spec.policies) > 1:
+        raise ValueError(f"{', '.join(aliased)}: the shorthand sets a one-policy run's policy; this run has "
+                         f"{len(spec.policies)} policies ({', '.join(p.policy_id for p in spec.policies)}): set each "
+                         "one's keys in the YAML file (--policies.<key> sets the last one's)")
+    return spec.validate()
 
 
 def _one_line(message: str) -> str:

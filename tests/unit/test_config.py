@@ -138,3 +138,18 @@ def test_a_data_layer_built_by_hand_refuses_a_prefetch_below_one_step():
     with pytest.raises(ValueError, match=r"prefetch_groups \(2\) must be >= groups_per_step \(4\)"):
         PolicyServing(groups_per_step=4, publish_every=1, final_version=10, prefetch_groups=2,
                       staleness=Staleness(2), order=ServingOrder())
+
+
+def test_a_one_policy_run_takes_its_policy_keys_without_the_policies_prefix(tmp_path, capsys):
+    spec = parse(["--config", str(QUICKSTART), "--trainer.max_time_s", "120", "--loss", "ppo_clip",
+                  "--loss.eps_low=0.1", "--model.lora.r", "8"])
+    p = spec.policies[0]
+    assert p.trainer.max_time_s == 120 and type(p.loss).__name__ == "PPOClip" and p.loss.eps_low == 0.1
+    assert p.model.lora.r == 8
+    two = write(tmp_path, {"env": {"class_path": "solver_verifier"},
+                           "policies": [{"policy_id": "solver", "roles": ["solver"]},
+                                        {"policy_id": "verifier", "roles": ["verifier"]}]})
+    assert main(["run", "--config", two, "--trainer.max_time_s", "120"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--trainer: the shorthand sets a one-policy run's policy; this run has 2 policies" in err
+    assert len(err.splitlines()) == 1
