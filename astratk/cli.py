@@ -33,6 +33,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from astratk.config import dump_spec, load_spec, parse, parser
+from astratk.runtime import warm
 from astratk.runtime.cluster import security as tls_security
 from astratk.runtime.run import Run
 from astratk.runtime.status import status_lines
@@ -188,11 +189,9 @@ def _run(argv: list[str]) -> int:
     if spec is None:
         return 2
 
-    from astratk.runtime import warm
-
-    warm.one_run_per_process()  # the command exits after this run: its cluster is closed, not kept for another
     try:
-        result = Run(spec).start()
+        with warm.last_run():  # the command exits after this run: its cluster is closed, not kept for another
+            result = Run(spec).start()
     except StartError as e:  # bad input found at start, before anything was written: one line
         print(f"astratk run: {e}", file=sys.stderr)
         return 2

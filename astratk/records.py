@@ -297,7 +297,61 @@ class RunContext:
 
             blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url, self.cpu_linear))
             object.__setattr__(self, "_pickled", blob)
-        return (_context_from_bytes, (blob,))
+        return (ShippedContext, (blob,))
+
+
+class Shipped:
+    """An object pickled once where it is made, carried as bytes, and unpickled only where it is used (`open()`).
+
+    Why: a Dask scheduler unpickles the arguments of every task it is sent (the task graph). A run's spec holds the
+    user's env, whose reward functions come from the user's own modules; unpickling it on the scheduler would make
+    the scheduler import them, and a scheduler on a head node has no reason to have that code. Shipped, the scheduler
+    sees bytes only; the workers that run the task open it (once per process: cached by content)."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+
+    @classmethod
+    def of(cls, obj: Any) -> Shipped:
+        import cloudpickle  # envs may hold lambdas
+
+        return cls(cloudpickle.dumps(obj))
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.blob,))
+
+    def open(self) -> Any:
+        obj = _OPENED.get(self.blob)
+        if obj is None:
+            if len(_OPENED) >= 8:  # a process serves few runs; keep the newest
+                _OPENED.pop(next(iter(_OPENED)))
+            obj = _OPENED[self.blob] = pickle.loads(self.blob)
+        return obj
+
+
+_OPENED: dict[bytes, Any] = {}
+
+
+class ShippedContext(Shipped):
+    """A `RunContext` as it travels (`RunContext.__reduce__`): bytes until a worker's task opens it. Its attributes
+    read through to the opened context, so code handed one works as with the context itself."""
+
+    __slots__ = ()
+
+    def open(self) -> RunContext:
+        return _context_from_bytes(self.blob)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.open(), name)
+
+
+def opened(obj: Any) -> Any:
+    """`obj` itself, or what it carries when it was shipped (`Shipped`)."""
+    return obj.open() if isinstance(obj, Shipped) else obj
 
 
 # pickled bytes -> the context rebuilt from them, in this process

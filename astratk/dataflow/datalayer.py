@@ -66,6 +66,7 @@ from astratk.records import (
     Lease,
     Task,
     WeightRef,
+    opened,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ class DataLayer:
 
     def __init__(self, spec: RunSpec, clock: Callable[[], float] = time.monotonic,
                  snapshot_url: str | None = None) -> None:
+        spec = opened(spec)  # started as an actor, the spec arrives shipped (the scheduler saw bytes only)
         self.spec = spec
         self._clock = clock
         d = spec.dataflow

@@ -32,7 +32,7 @@ import torch
 
 from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams
 from astratk.engines import build_engine
-from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory
+from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory, opened
 from astratk.rollout.bounded import BoundExceeded, bounded_episode, call_bounded, run_episodes
 from astratk.rollout.context import limit_engines
 from astratk.rollout.lockstep import Lockstep
@@ -47,7 +47,8 @@ TOO_LONG_LINES = 5  # tasks dropped as too long that get a log line each; past t
 
 def get_service(ctx: RunContext) -> RolloutService:
     """The process-wide service for this run, created on first use; refused once the run has ended here
-    (`astratk.rollout.services` keeps the record and releases it)."""
+    (`astratk.rollout.services` keeps the record and releases it). `ctx` may arrive shipped (`records.Shipped`)."""
+    ctx = opened(ctx)
     return service_for(ctx.run_id, lambda: RolloutService(ctx))
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from astratk.dataflow.client import DataLayerClient, bind_actor
 from astratk.dataflow.datalayer import DataLayer
-from astratk.records import RunContext
+from astratk.records import RunContext, Shipped
 from astratk.rollout.services import release_service
 from astratk.runtime import registry
 from astratk.runtime.acquisition import Acquisition
@@ -123,8 +123,9 @@ def start_datalayer(client: Any, spec: Any, timeout_s: float, snapshot_url: str 
                     restore: tuple[str, str | None] | None = None) -> Any:
     """The data-layer actor on the control worker, restored from a snapshot when `restore` is given. It calls
     through `client`, whether or not that is this process's default client (`bind_actor`)."""
-    future = client.submit(DataLayer, spec, snapshot_url=snapshot_url, actor=True, resources={"control": 1},
-                           pure=False)
+    # shipped: the scheduler unpickles task arguments, and must not need the user's env code (`records.Shipped`)
+    future = client.submit(DataLayer, Shipped.of(spec), snapshot_url=snapshot_url, actor=True,
+                           resources={"control": 1}, pure=False)
     try:
         actor = bind_actor(future.result(timeout=timeout_s), client, future)
     except TimeoutError:

@@ -31,11 +31,13 @@ own id and stops them at its end, as runs on a long-lived `dask scheduler` do.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import sysconfig
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from astratk.spec import RunSpec
@@ -102,14 +104,19 @@ def take(key: str | None) -> Any | None:
     return None
 
 
-_one_shot = False  # this process runs one run and exits (the `astratk run` command): nothing to keep a cluster for
+_one_shot = False  # inside `last_run()`: the process exits after this run, nothing to keep a cluster for
 
 
-def one_run_per_process() -> None:
-    """Declare that this process runs one run and exits (the CLI does): its cluster is closed at the run's end
+@contextlib.contextmanager
+def last_run() -> Iterator[None]:
+    """Inside: the run is this process's last (the `astratk run` command), so its cluster is closed at its end
     instead of kept for a next run that will not come."""
     global _one_shot
     _one_shot = True
+    try:
+        yield
+    finally:
+        _one_shot = False
 
 
 def give_back(cluster: Any, key: str | None, keep_s: float, planned: set[str], reusable: bool) -> str:

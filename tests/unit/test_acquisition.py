@@ -103,14 +103,18 @@ def test_run_context_is_pickled_once_and_rebuilt_once_per_process():
 
     import cloudpickle
 
-    from astratk.records import RunContext
+    from astratk.records import RunContext, ShippedContext, opened
     from astratk.spec import RunSpec
 
     ctx = RunContext("r1", RunSpec(), {"main": "/models/tiny"}, "memory://w")
     first, second = cloudpickle.dumps(ctx), cloudpickle.dumps(ctx)
-    a, b = pickle.loads(first), pickle.loads(second)
-    assert a is b  # one rebuild per process
+    # what arrives is the shipped bytes (a scheduler that unpickles the task sees nothing else); a task opens them
+    shipped_a, shipped_b = pickle.loads(first), pickle.loads(second)
+    assert isinstance(shipped_a, ShippedContext) and shipped_a.blob is not None
+    a, b = opened(shipped_a), opened(shipped_b)
+    assert isinstance(a, RunContext) and a is b  # one rebuild per process
+    assert shipped_a.run_id == "r1"  # attributes read through, for code handed the shipped form
     assert (a.run_id, a.model_paths, a.store_url, a.spec.env.name) == ("r1", {"main": "/models/tiny"}, "memory://w",
                                                                        ctx.spec.env.name)
-    other = pickle.loads(pickle.dumps(RunContext("r2", RunSpec(), {}, "memory://w")))
+    other = opened(pickle.loads(pickle.dumps(RunContext("r2", RunSpec(), {}, "memory://w"))))
     assert other.run_id == "r2" and other is not a
