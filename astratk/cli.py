@@ -35,6 +35,7 @@ from typing import Any
 from astratk.config import dump_spec, load_spec, parse, parser
 from astratk.runtime import warm
 from astratk.runtime.cluster import security as tls_security
+from astratk.runtime.drive import DETACHED_TIMEOUT_S
 from astratk.runtime.run import Run
 from astratk.runtime.status import status_lines
 from astratk.spec import StartError
@@ -83,10 +84,20 @@ def _parse_spec(argv: list[str], command: str) -> Any:
 
 
 def _deploy(argv: list[str]) -> int:
-    """`astratk deploy --config RUN.yaml --deployment NAME [--cluster.scheduler_address ADDR] [overrides]`: the
-    name trainer jobs attach to (`astratk train fit --deployment NAME`; `--name` is accepted too)."""
+    """`astratk deploy --config RUN.yaml --deployment NAME [--cluster.scheduler_address ADDR]
+    [--detached_timeout_s S] [overrides]`: the name trainer jobs attach to (`astratk train fit --deployment NAME`;
+    `--name` is accepted too). Once every policy's trainer has ended, the deployment serves S seconds more (default
+    600) for another to attach, then ends."""
 
-    name = None
+    name, detached = None, DETACHED_TIMEOUT_S
+    if "--detached_timeout_s" in argv:
+        i = argv.index("--detached_timeout_s")
+        try:
+            detached = float(argv[i + 1])
+        except (IndexError, ValueError):
+            print("astratk deploy: --detached_timeout_s needs a number of seconds", file=sys.stderr)
+            return 2
+        argv = argv[:i] + argv[i + 2:]
     for flag in ("--deployment", "--name"):
         if flag in argv:
             i = argv.index(flag)
@@ -107,7 +118,7 @@ def _deploy(argv: list[str]) -> int:
         return 2
 
     try:
-        Run(spec).serve(name or spec.name)
+        Run(spec).serve(name or spec.name, detached_timeout_s=detached)
     except StartError as e:
         print(f"astratk deploy: {e}", file=sys.stderr)
         return 2

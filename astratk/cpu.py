@@ -94,6 +94,49 @@ def run_threads(spec: Any) -> ThreadPlan:
                         trainers=len(spec.policies))
 
 
+@dataclass(frozen=True)
+class HostFacts:
+    """What a process reports about where it runs: its host's name, the cores it may use, and OMP_NUM_THREADS when
+    its environment sets it (a worker started with `OMP_NUM_THREADS=1`, as docs/cluster.md's recipe does)."""
+
+    host: str
+    cores: int
+    omp: int | None
+
+
+def host_facts() -> HostFacts:
+    import socket
+
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return HostFacts(socket.gethostname(), cores(), int(omp) if omp.isdigit() and int(omp) > 0 else None)
+
+
+def plan_shared_hosts(driver: HostFacts, rollout_workers: dict[str, HostFacts], *, trainers: int,
+                      synchronous: bool) -> tuple[int, dict[str, int], str]:
+    """`torch_threads: auto` on a cluster of your own: (the trainer's threads, each rollout worker's threads by
+    address, why). Processes that work at once on one host share its cores: the rollout workers on a host split them,
+    and on the driver's host the trainers (this process, or one process per policy) take their share too. A worker
+    whose environment sets OMP_NUM_THREADS keeps at most that many. The synchronous mode alternates rollout and
+    training, so there the trainers do not count against the rollout workers."""
+    by_host: dict[str, list[str]] = {}
+    for addr, facts in rollout_workers.items():
+        by_host.setdefault(facts.host, []).append(addr)
+    share_trainers = 0 if synchronous else max(1, trainers)
+    threads: dict[str, int] = {}
+    for host, addrs in by_host.items():
+        here = share_trainers if host == driver.host else 0
+        n = max(rollout_workers[a].cores for a in addrs)
+        each = max(1, n // (len(addrs) + here))
+        for a in addrs:
+            omp = rollout_workers[a].omp
+            threads[a] = min(each, omp) if omp else each
+    local = [threads[a] for a in by_host.get(driver.host, [])]
+    trainer = driver.cores if synchronous else max(1, (driver.cores - sum(local)) // max(1, trainers))
+    shared = (f"{len(local)} rollout worker(s) on this host share its {driver.cores} cores with the trainer(s)"
+              if local else "no rollout worker on this host")
+    return trainer, threads, f"auto: a cluster of your own, {len(by_host)} host(s); {shared}"
+
+
 # ------------------------------------------------------------------------------------------------------ Linear
 
 

@@ -284,6 +284,9 @@ class RunContext:
     # every process of the run uses the same one (a worker's own micro-benchmark, taken while the machine is busy
     # starting the run, could choose otherwise); None: each process resolves `cluster.cpu_linear` itself
     cpu_linear: str | None = None
+    # torch threads of each rollout worker by address, where the driver planned them per host (`torch_threads: auto`
+    # on a cluster of your own: `astratk.cpu.plan_shared_hosts`); None: each process follows `cpu.run_threads`
+    rollout_threads: dict[str, int] | None = None
 
     def __reduce__(self) -> tuple:
         """The context travels with every rollout and score task, and its env may hold data
@@ -295,7 +298,8 @@ class RunContext:
             # envs may hold lambdas; Dask pickles task arguments with cloudpickle too
             import cloudpickle
 
-            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url, self.cpu_linear))
+            blob = cloudpickle.dumps((self.run_id, self.spec, self.model_paths, self.store_url, self.cpu_linear,
+                                      self.rollout_threads))
             object.__setattr__(self, "_pickled", blob)
         return (ShippedContext, (blob,))
 

@@ -174,6 +174,12 @@ class DataLayerClient:
     def is_paused(self) -> bool:
         return self._call("is_paused")
 
+    def trainer_attached(self, policy_id: str) -> None:
+        self._call("trainer_attached", policy_id)
+
+    def trainer_detached(self, policy_id: str, step: int) -> None:
+        self._call("trainer_detached", policy_id, step)
+
     def metrics(self, timeout: float | None = None) -> dict[str, float]:
         return self._call("metrics", timeout=timeout)
 

@@ -133,6 +133,7 @@ class DataLayer:
                                     learn=self._learn)
         # the facade's own: snapshots, restores
         self._counts: Counter[str] = Counter()
+        self._trainers: dict[str, tuple[float, float]] = {}  # policy -> (attached 1/0, step at detaching)
 
     # -------------------------------------------------------------------------------------- leasing
     def lease(self, n: int) -> list[Lease]:
@@ -268,6 +269,17 @@ class DataLayer:
     def is_paused(self) -> bool:
         return self._server.paused
 
+    # ------------------------------------------------------------------------------------ trainers
+    def trainer_attached(self, policy_id: str) -> None:
+        """A trainer of `policy_id` attached (`astratk train fit` calls it): its metrics say so
+        (`data/<policy>/trainer_attached` 1), and a deployment stops saying it waits for one."""
+        self._trainers[policy_id] = (1.0, -1.0)
+
+    def trainer_detached(self, policy_id: str, step: int) -> None:
+        """The trainer of `policy_id` ended (finished, stopped or failed) after `step` optimiser steps: a deployment
+        then says so once, instead of reporting a trainer starving for batches that no one asks for."""
+        self._trainers[policy_id] = (0.0, float(step))
+
     # -------------------------------------------------------------------------------------- metrics
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {k: float(v) for k, v in self._counts.items()}
@@ -276,6 +288,10 @@ class DataLayer:
         out.update(self._server.metrics())
         for name, st in self._curators.items():
             out.update({f"data/stage/{name}/{k}": v for k, v in st.metrics().items()})
+        for pid, (attached, step) in self._trainers.items():
+            out[f"data/{pid}/trainer_attached"] = attached
+            if not attached:
+                out[f"data/{pid}/trainer_detached_step"] = step
         return out
 
     def drops(self) -> list[Drop]:

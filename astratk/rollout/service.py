@@ -52,6 +52,21 @@ def get_service(ctx: RunContext) -> RolloutService:
     return service_for(ctx.run_id, lambda: RolloutService(ctx))
 
 
+def _threads_here(ctx: RunContext) -> int:
+    """This rollout worker's torch threads: the driver's per-host plan when it made one (a cluster of your own), else
+    the run's plan (`astratk.cpu.run_threads`)."""
+    from astratk import cpu
+
+    if ctx.rollout_threads:
+        try:
+            from distributed import get_worker
+
+            return ctx.rollout_threads.get(get_worker().address) or cpu.run_threads(ctx.spec).rollout
+        except ValueError:  # not inside a Dask worker (a probe): the run's plan
+            pass
+    return cpu.run_threads(ctx.spec).rollout
+
+
 def _quiet_transformers() -> None:
     """Per-load progress bars from transformers would flood worker logs at every engine start."""
     from transformers.utils import logging as hf_logging
@@ -76,7 +91,7 @@ class RolloutService:
         self._too_long = 0  # tasks this service dropped before generation (their log lines thin out)
         from astratk import cpu
 
-        torch.set_num_threads(cpu.run_threads(self.spec).rollout)
+        torch.set_num_threads(_threads_here(ctx))
         cpu.set_linear_backend(ctx.cpu_linear or self.spec.cluster.cpu_linear)  # the driver's choice when it made one
         _quiet_transformers()
         self.env: Env = self.spec.env

@@ -20,6 +20,8 @@ from astratk.runtime.starvation import StarvationMonitor
 from astratk.runtime.trainers import TrainerProcesses, trainer_dir
 from astratk.spec import NothingToTrain
 
+DETACHED_TIMEOUT_S = 600.0  # a deployment ends this long after its last trainer ended, if none attached since
+
 # Runs a run's trainers to their end; per policy, what its fit reported (`build.fit_result`).
 Fit = Callable[[], dict[str, dict[str, Any]]]
 
@@ -51,6 +53,7 @@ def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
 class Drive:
     """`Session`'s run loop and controls; the attributes it reads are set by `Session.__init__` and its set-up."""
 
+    trainer_threads: int | None = None  # torch threads of the run's trainers (`Session._place_cpu`)
     nothing_to_train: str | None = None  # set when the run finds it cannot train anything (the line that says why)
 
     # --------------------------------------------------------------------------- pause/resume
@@ -86,12 +89,13 @@ class Drive:
         self.print(f"evaluating {what} (v{self._first_version()}) on the held-out split, while training starts")
         return self._drive(self._build_trainers)
 
-    def serve(self, poll_s: float = 5.0, until_versions: dict[str, int] | None = None
-              ) -> dict[str, Any]:
+    def serve(self, poll_s: float = 5.0, until_versions: dict[str, int] | None = None,
+              detached_timeout_s: float = DETACHED_TIMEOUT_S) -> dict[str, Any]:
         """`astratk deploy`: acquire and evaluate for trainers that attach from elsewhere
         (`astratk train fit`), until every policy has published its last version
-        (`trainer.max_steps // publish_every`, or `until_versions`) or the process is interrupted
-        (Ctrl-C, SIGTERM). Prints the attach commands and a status line every `poll_s` seconds."""
+        (`trainer.max_steps // publish_every`, or `until_versions`), every policy's trainer has ended and none
+        attached for `detached_timeout_s` seconds since, or the process is interrupted (Ctrl-C, SIGTERM). Prints the
+        attach commands, a status line every `poll_s` seconds, and one line when a trainer attaches or ends."""
         target = until_versions or {p.policy_id: p.trainer.max_steps // p.trainer.publish_every
                                     for p in self.spec.policies}
         address = self.client.scheduler.address
@@ -101,7 +105,7 @@ class Drive:
             self.print(f"  astratk train fit --run_config {self.run_dir / 'config.yaml'} "
                        f"--policy_id {p.policy_id} --deployment {self.deployment_name} "
                        f"--scheduler {address}")
-        summary = self._drive(lambda: functools.partial(self._wait_for_versions, target, poll_s))
+        summary = self._drive(lambda: functools.partial(self._wait_for_versions, target, poll_s, detached_timeout_s))
         # the steps are the trainer jobs' own; their versions show here
         summary["steps"] = summary["final_version"]
         return summary
@@ -190,7 +194,7 @@ class Drive:
             return self._trainer_here(self.spec.policies[0].policy_id)
 
         procs = TrainerProcesses(self.spec, self.run_dir, self.deployment_name,
-                                 self.client.scheduler.address, self.print)
+                                 self.client.scheduler.address, self.print, threads=self.trainer_threads)
         return procs.run
 
     def _trainer_here(self, policy_id: str) -> Fit:
@@ -212,12 +216,15 @@ class Drive:
         ckpt = self.resume_point.checkpoint if self.resume_point else None
         return lambda: {policy_id: trainer.fit(ckpt)}
 
-    def _wait_for_versions(self, target: dict[str, int], poll_s: float
-                           ) -> dict[str, dict[str, Any]]:
+    def _wait_for_versions(self, target: dict[str, int], poll_s: float,
+                           detached_timeout_s: float = DETACHED_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         """`serve`'s trainers run elsewhere: print each policy's progress every `poll_s` seconds
-        until every policy has published its `target` version, or SIGTERM or Ctrl-C. Their step
-        rows stay with their jobs."""
+        until every policy has published its `target` version, every trainer has ended and none attached for
+        `detached_timeout_s` seconds, or SIGTERM or Ctrl-C. Says once when a policy's trainer attaches, and once
+        when it ends (at which step, and what happens next). Their step rows stay with their jobs."""
         stop = threading.Event()
+        said: dict[str, float] = {}  # policy -> the trainer state last said (1 attached, 0 ended)
+        all_ended: float | None = None  # time.monotonic() since when every policy's trainer has ended
         try:
             with _sigterm_sets(stop):
                 while not stop.wait(poll_s):
@@ -230,6 +237,27 @@ class Drive:
                         for pid, v in versions.items()))
                     if all(versions[pid] >= target[pid] for pid in target):
                         break
+                    for pid, last in target.items():
+                        state = m.get(f"data/{pid}/trainer_attached")
+                        if state is None or said.get(pid) == state:
+                            continue
+                        said[pid] = state
+                        if state:
+                            self.print(f"policy {pid!r}: a trainer attached (v{versions[pid]})")
+                        else:
+                            step = int(m.get(f"data/{pid}/trainer_detached_step", 0))
+                            self.print(f"[detached] policy {pid!r}: its trainer ended after step {step} "
+                                       f"(v{versions[pid]} of {last}); the deployment keeps serving: attach "
+                                       f"another with the command above, or it ends {detached_timeout_s:.0f}s after "
+                                       "the last trainer ended (astratk deploy --detached_timeout_s)")
+                    if all(said.get(pid) == 0.0 for pid in target):
+                        all_ended = time.monotonic() if all_ended is None else all_ended
+                        if time.monotonic() - all_ended >= detached_timeout_s:
+                            self.print(f"no trainer attached in the {detached_timeout_s:.0f}s since the last one "
+                                       "ended: ending the deployment")
+                            break
+                    else:
+                        all_ended = None
         except KeyboardInterrupt:
             self.print("interrupted: stopping the deployment")
         return {}

@@ -31,6 +31,7 @@ from astratk.config import dump_spec, load_spec
 from astratk.models.gguf import file_sha256, gguf_directory, resolve_gguf_file
 from astratk.models.hub import is_hub_id, resolve
 from astratk.models.pypi import is_pypi_path, resolve_pypi
+from astratk.runtime.drive import DETACHED_TIMEOUT_S
 from astratk.runtime.main_guard import check_main_guard
 from astratk.runtime.view import LiveView, render
 from astratk.spec import NothingToTrain, RunSpec
@@ -136,6 +137,8 @@ class Run:
             self.error = e
             self._ready.set()
 
+    _detached_timeout_s = DETACHED_TIMEOUT_S
+
     def _run(self, serve_as: str | None = None) -> RunResult:
         from astratk.runtime.checks import check_gpu_memory, check_output_dir
 
@@ -162,7 +165,8 @@ class Run:
                 entered = True
                 self.session = session
                 self._ready.set()
-                summary = session.serve() if serve_as else session.train()
+                summary = (session.serve(detached_timeout_s=self._detached_timeout_s) if serve_as
+                           else session.train())
         except BaseException as e:
             # a run whose set-up failed leaves nothing behind, nor does one that found it had nothing to train
             if not entered or isinstance(e, NothingToTrain):
@@ -224,9 +228,11 @@ class Run:
 
         return probe(self.spec, n_tasks, printer=self.print, eval_tasks=eval_tasks)
 
-    def serve(self, name: str) -> RunResult:
+    def serve(self, name: str, detached_timeout_s: float = DETACHED_TIMEOUT_S) -> RunResult:
         """`astratk deploy`: serve the run's deployment under `name` for trainer jobs that attach to it (blocking;
-        see `Session.serve`)."""
+        see `Session.serve`). Once every policy's trainer has ended, it serves `detached_timeout_s` seconds more for
+        another to attach, then ends."""
+        self._detached_timeout_s = detached_timeout_s
         return self._run(serve_as=name)
 
     def _live(self, what: str) -> Any:

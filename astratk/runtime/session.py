@@ -114,8 +114,10 @@ class Session(Drive, WrapUp, LiveMetrics):
         self._start_cluster()
         from astratk import cpu
 
+        rollout_threads = self._place_cpu_on_cluster() if self._plan_per_host() else None
         ctx = RunContext(run_id=uuid.uuid4().hex[:12], spec=self.spec, model_paths=dict(self.model_paths),
-                         store_url=store_url, cpu_linear=cpu.linear_backend())  # one choice for every process
+                         store_url=store_url, cpu_linear=cpu.linear_backend(),  # one choice for every process
+                         rollout_threads=rollout_threads)
         self._deploy(ctx)
         workers = len(self.client.scheduler_info()["workers"])
         dashboard = self.client.dashboard_link if self.spec.cluster.dashboard else "off"
@@ -142,12 +144,37 @@ class Session(Drive, WrapUp, LiveMetrics):
 
         plan = cpu.run_threads(self.spec)
         torch.set_num_threads(plan.trainer)
+        self.trainer_threads = plan.trainer
         cpu.set_linear_backend(self.spec.cluster.cpu_linear)
         linear = cpu.linear_backend()
         speed = cpu.onednn_speedup() if self.spec.cluster.cpu_linear == "auto" else None
-        why = f" ({speed:.1f}x torch's BLAS here)" if speed else ""
-        self.print(f"CPU: torch threads trainer {plan.trainer}, each rollout worker {plan.rollout} ({plan.reason}); "
-                   f"Linear layers: {linear}{why}")
+        self._linear_line = f"Linear layers: {linear}" + (f" ({speed:.1f}x torch's BLAS here)" if speed else "")
+        if not self._plan_per_host():  # else said once the cluster's workers are known (`_place_cpu_on_cluster`)
+            self.print(f"CPU: torch threads trainer {plan.trainer}, each rollout worker {plan.rollout} "
+                       f"({plan.reason}); {self._linear_line}")
+
+    def _plan_per_host(self) -> bool:
+        c = self.spec.cluster
+        return c.scheduler_address is not None and c.torch_threads == "auto" and c.processes
+
+    def _place_cpu_on_cluster(self) -> dict[str, int]:
+        """`torch_threads: auto` on a cluster of your own: ask each worker where it runs, and split each host's cores
+        among the processes that work at once there (`astratk.cpu.plan_shared_hosts`), the trainers on this host
+        included. Sets this process's threads and says the plan; returns each rollout worker's threads."""
+        from astratk import cpu
+
+        info = self.client.scheduler_info()["workers"]
+        rollout = [a for a, w in info.items()
+                   if any(k.startswith("rollout_") and v > 0 for k, v in (w.get("resources") or {}).items())]
+        facts = self.client.run(cpu.host_facts, workers=rollout) if rollout else {}
+        trainer, threads, why = cpu.plan_shared_hosts(cpu.host_facts(), facts, trainers=len(self.spec.policies),
+                                                      synchronous=self.spec.dataflow.synchronous)
+        torch.set_num_threads(trainer)
+        self.trainer_threads = trainer
+        each = sorted(set(threads.values()))
+        said = "/".join(map(str, each)) if each else "-"
+        self.print(f"CPU: torch threads trainer {trainer}, each rollout worker {said} ({why}); {self._linear_line}")
+        return threads
 
     def _build_models(self) -> None:
         """Every policy's starting model directory (built and warm-started, or from the cache)."""

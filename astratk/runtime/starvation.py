@@ -116,6 +116,11 @@ class StarvationMonitor:
                       ) -> str | None:
         mine = {reason: n for (policy, reason), n in drops.items() if policy == pid}
         served = metrics.get(f"data/{pid}/groups_served", 0.0)
+        if pid not in self.streams and metrics.get(f"data/{pid}/trainer_attached") != 1.0:
+            # a trainer elsewhere that has not attached yet, or has ended: no one is waiting for a batch (the
+            # deployment says when a trainer attaches or ends); a wait is measured from the next attach
+            self._windows[pid] = _Window(metrics, mine, served, now)
+            return None
         w = self._windows.get(pid)
         if w is None:
             w = self._windows[pid] = _Window(metrics, mine, served, now)

@@ -33,6 +33,7 @@ import torch
 from astratk.config import load_spec
 from astratk.runtime import registry
 from astratk.runtime.cluster import open_client, security
+from astratk.runtime.trainers import TRAINER_THREADS_ENV
 from astratk.spec import StartError
 from astratk.spec.cluster import dask_config_has_tls
 from astratk.training import build
@@ -125,7 +126,8 @@ class DeployedPolicy(PolicyModule):
         attach_timeout_s = spec.cluster.startup_timeout_s if attach_timeout_s is None else attach_timeout_s
         from astratk import cpu
 
-        torch.set_num_threads(cpu.run_threads(spec).trainer)
+        planned = os.environ.get(TRAINER_THREADS_ENV, "")  # started by a run: the threads its plan gave trainers
+        torch.set_num_threads(int(planned) if planned.isdigit() else cpu.run_threads(spec).trainer)
         cpu.set_linear_backend(spec.cluster.cpu_linear)
         client = _client(scheduler, spec, attach_timeout_s)
         info = _fetch(client, deployment, attach_timeout_s)
@@ -154,6 +156,8 @@ class DeploymentData(RolloutDataModule):
         client = _client(self.scheduler, self.spec, self.attach_timeout_s)
         self.info, handle = _fetch(client, self.deployment, self.attach_timeout_s, attach=True)
         trainer = self.trainer
+        if trainer is None or trainer.is_global_zero:
+            handle.trainer_attached(self.policy_id)  # the deployment stops saying it waits for a trainer
         # --trainer.max_steps on the command line wins over the policy's trainer.max_steps.
         max_steps = trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
         self.stream = build.group_stream(
@@ -254,6 +258,12 @@ class DeploymentCallbacks(pl.Callback):
             out.parent.mkdir(parents=True, exist_ok=True)
             self.result = build.fit_result(self.recorder, error)
             out.write_text(json.dumps(self.result))
+        data = trainer.datamodule
+        if trainer.is_global_zero and isinstance(data, DeploymentData) and data.stream is not None:
+            try:  # the deployment says, once, that this trainer left (and at which step) instead of "starving"
+                data.stream.datalayer.trainer_detached(data.policy_id, trainer.global_step)
+            except Exception as e:  # noqa: BLE001 - a deployment already gone: nothing to tell
+                self.printer(f"could not tell the deployment that this trainer ended ({type(e).__name__}: {e})")
 
 
 def job_summary(cli: Any) -> dict[str, Any]:

@@ -28,10 +28,15 @@ def trainer_dir(run_dir: str | Path, policy_id: str) -> Path:
     return Path(run_dir) / "trainers" / policy_id
 
 
+TRAINER_THREADS_ENV = "ASTRATK_TRAINER_THREADS"  # a run's trainer processes take its planned torch threads
+
+
 class TrainerProcesses:
     def __init__(self, spec: Any, run_dir: Path, deployment: str, scheduler: str,
-                 printer: Callable[[str], None] = print, startup_timeout_s: float | None = None) -> None:
+                 printer: Callable[[str], None] = print, startup_timeout_s: float | None = None,
+                 threads: int | None = None) -> None:
         self.spec, self.run_dir, self.deployment, self.scheduler = spec, Path(run_dir), deployment, scheduler
+        self.threads = threads  # each trainer process's torch threads (the run's plan); None: `cpu.run_threads`
         self.print = printer
         self.startup_timeout_s = startup_timeout_s or spec.cluster.startup_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
@@ -47,8 +52,9 @@ class TrainerProcesses:
     def start(self) -> None:
         from astratk.cpu import run_threads
 
-        threads = str(run_threads(self.spec).trainer)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        threads = str(self.threads or run_threads(self.spec).trainer)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
+               TRAINER_THREADS_ENV: threads}
         for p in self.spec.policies:
             pid = p.policy_id
             trainer_dir(self.run_dir, pid).mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,8 @@ def test_two_policy_job_across_separate_processes(tmp_path):
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL))
         cfg = config(tmp_path, address)
-        deploy = subprocess.Popen([str(BIN / "astratk"), "deploy", "--config", str(cfg), "--deployment", "sv-it"], env=ENV,
+        deploy = subprocess.Popen([str(BIN / "astratk"), "deploy", "--config", str(cfg), "--deployment", "sv-it",
+                                   "--detached_timeout_s", "3"], env=ENV,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(deploy)
         out: list[str] = []
@@ -81,7 +82,10 @@ def test_two_policy_job_across_separate_processes(tmp_path):
         trainers = {pid: subprocess.Popen(
             [str(BIN / "astratk"), "train", "fit", "--run_config", run_config, "--policy_id", pid,
              "--deployment", "sv-it", "--scheduler", address, "--trainer.default_root_dir", str(tmp_path / pid),
-             "--trainer.accelerator", "cpu", "--trainer.devices", "1"],
+             "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+             # the solver's trainer stops short of the run's 3 steps: the deployment then says it ended, serves
+             # --detached_timeout_s more for another, and ends (before: "[starving]" lines for ever)
+             *(["--trainer.max_steps", "2"] if pid == "solver" else [])],
             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in ("solver", "verifier")}
         procs.extend(trainers.values())
         status = subprocess.run([str(BIN / "astratk"), "status", "--scheduler", address], check=False, env=ENV,
@@ -94,12 +98,17 @@ def test_two_policy_job_across_separate_processes(tmp_path):
             assert proc.returncode == 0, f"trainer {pid} failed:\n{text[-3000:]}"
         rest, _ = deploy.communicate(timeout=180)
         assert deploy.returncode == 0, "\n".join(out) + rest
-        for pid in ("solver", "verifier"):
+        said = "\n".join(out) + rest
+        assert "[detached] policy 'solver': its trainer ended after step 2 (v2 of 3)" in said, said[-3000:]
+        assert "[detached] policy 'verifier': its trainer ended after step 3" in said
+        assert "no trainer attached in the 3s since the last one ended: ending the deployment" in said
+        assert "[starving]" not in said
+        for pid, steps in (("solver", 2), ("verifier", 3)):
             rows = json.loads((tmp_path / pid / "steps.json").read_text())["rows"]
-            assert len(rows) == 3 and rows[-1][f"train/{pid}/policy_version"] == 2
+            assert len(rows) == steps and rows[-1][f"train/{pid}/policy_version"] == steps - 1
         run_dir = Path(run_config).parent
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["final_version"] == 3 and (run_dir / "metrics.nc").exists()
+        assert summary["final_version"] == 2 and (run_dir / "metrics.nc").exists()
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

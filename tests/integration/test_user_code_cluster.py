@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +76,12 @@ def test_a_user_env_module_that_the_scheduler_cannot_import(tmp_path):
         assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
         assert "training: 2 steps" in run.stdout
         assert "deserializ" not in run.stderr and "No module named" not in run.stderr
+        # every worker is on this host beside the driver: the rollout worker and the trainer split its cores (before,
+        # `torch_threads: auto` gave each of them all the cores, "a cluster of your own: each host's cores")
+        cpu_line = next(line for line in run.stdout.splitlines() if line.startswith("CPU: torch threads"))
+        assert "a cluster of your own, 1 host(s); 1 rollout worker(s) on this host share its" in cpu_line, cpu_line
+        trainer, rollout = (int(x) for x in re.findall(r"trainer (\d+), each rollout worker (\d+)", cpu_line)[0])
+        assert trainer + rollout <= max(2, os.cpu_count() or 2), cpu_line
     finally:
         for p in reversed(procs):
             p.terminate()

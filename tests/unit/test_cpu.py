@@ -131,3 +131,23 @@ def test_lora_adapters_wrap_onednn_layers(onednn):
     assert trained and all("lora_" in n for n in trained)
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
     assert any(type(m) is cpu.OneDNNLinear for m in model.modules())
+
+
+def test_a_cluster_of_your_own_splits_each_hosts_cores_among_the_processes_working_there():
+    from astratk.cpu import HostFacts, plan_shared_hosts
+
+    here = HostFacts("laptop", 2, None)
+    # every worker on 127.0.0.1 beside the driver (the docs' localhost recipe), 2 cores: one rollout worker and the
+    # trainer share them, one thread each (before: each took both cores, and they fought over them)
+    trainer, threads, why = plan_shared_hosts(here, {"tcp://127.0.0.1:1": HostFacts("laptop", 2, None)}, trainers=1,
+                                              synchronous=False)
+    assert (trainer, threads) == (1, {"tcp://127.0.0.1:1": 1}) and "share its 2 cores" in why
+    # the synchronous mode alternates: each takes every core in its turn
+    trainer, threads, _ = plan_shared_hosts(here, {"a": HostFacts("laptop", 2, None)}, trainers=1, synchronous=True)
+    assert (trainer, threads) == (2, {"a": 2})
+    # rollout workers on other hosts get their host's cores, split among those on it; OMP_NUM_THREADS caps a worker
+    big = HostFacts("node", 16, None)
+    trainer, threads, _ = plan_shared_hosts(HostFacts("head", 8, None),
+                                            {"n1": big, "n2": big, "n3": HostFacts("node", 16, 1)}, trainers=2,
+                                            synchronous=False)
+    assert trainer == 4 and threads == {"n1": 5, "n2": 5, "n3": 1}

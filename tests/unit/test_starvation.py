@@ -123,12 +123,35 @@ def test_slow_rollouts_without_drops_are_not_starvation_but_no_rollout_at_all_is
 def test_a_trainer_in_another_process_is_starving_when_no_batch_is_served():
     dl = FakeDataLayer()
     mon, _lines = _monitor(dl)
+    dl.m["data/main/trainer_attached"] = 1.0  # `astratk train fit` attached
     dl.roll(8, 8, 0.5, served=8)
     mon.check(0.0)
     dl.roll(20, 0, 0.0)
     assert mon.check(15.0) == []
     [line] = mon.check(21.0)
     assert "20 groups rolled out, 0 with signal" in line
+
+
+def test_no_starvation_is_said_for_a_trainer_elsewhere_that_has_not_attached_or_has_ended():
+    # a deployment whose trainer finished (`astratk train fit --trainer.max_steps 5` exited): no one waits for a
+    # batch, so no "[starving] ... trainer waiting" line; the deployment says once that the trainer ended instead
+    dl = FakeDataLayer()
+    mon, _lines = _monitor(dl)
+    mon.check(0.0)
+    dl.roll(20, 0, 0.0)
+    assert mon.check(30.0) == [] and mon.check(100.0) == []  # not attached yet
+    dl.m["data/main/trainer_attached"] = 1.0
+    dl.roll(8, 8, 0.5, served=8)
+    mon.check(110.0)
+    dl.m.update({"data/main/trainer_attached": 0.0, "data/main/trainer_detached_step": 5.0})
+    dl.roll(20, 0, 0.0)
+    assert mon.check(140.0) == [] and mon.check(300.0) == []
+    dl.m["data/main/trainer_attached"] = 1.0  # another trainer attaches: a wait counts from then
+    mon.check(301.0)
+    assert mon.check(310.0) == []
+    dl.roll(20, 0, 0.0)
+    [line] = mon.check(325.0)
+    assert "[starving]" in line and "trainer waiting 25s" in line  # counted from the reading before the attach
 
 
 def test_an_agent_that_never_calls_its_tools_is_said_with_the_episodes_of_the_wait():
