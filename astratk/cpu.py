@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +106,6 @@ class HostFacts:
 
 
 def host_facts() -> HostFacts:
-    import socket
-
     omp = os.environ.get("OMP_NUM_THREADS", "")
     return HostFacts(socket.gethostname(), cores(), int(omp) if omp.isdigit() and int(omp) > 0 else None)
 
