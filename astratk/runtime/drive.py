@@ -193,8 +193,11 @@ class Drive:
         if len(self.spec.policies) == 1:
             return self._trainer_here(self.spec.policies[0].policy_id)
 
+        from astratk.runtime.pools import tls_environ
+
         procs = TrainerProcesses(self.spec, self.run_dir, self.deployment_name,
-                                 self.client.scheduler.address, self.print, threads=self.trainer_threads)
+                                 self.client.scheduler.address, self.print, threads=self.trainer_threads,
+                                 environ=tls_environ(getattr(self.cluster, "tls", None)))
         return procs.run
 
     def _trainer_here(self, policy_id: str) -> Fit:

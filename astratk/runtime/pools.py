@@ -175,7 +175,30 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
         pre_spawn.pop(key, None)
     gpus = worker_gpus(spec)
     return PoolCluster(worker_specs(spec, processes, start), templates, elastic, dashboard=spec.cluster.dashboard,
-                       pre_spawn_environ=pre_spawn, gpus={"rollout": gpus} if gpus else None)
+                       pre_spawn_environ=pre_spawn, gpus={"rollout": gpus} if gpus else None,
+                       security=local_security() if spec.cluster.local_tls else None)
+
+
+def local_security() -> Any:
+    """Throw-away TLS credentials for one local cluster (`Security.temporary()`: a key and a self-signed certificate
+    made in memory, never written to disk): its scheduler and workers accept only peers that hold them, so another
+    user of the machine cannot connect and run code as you. The run's own client gets them from the cluster; its
+    trainer processes through their environment (`tls_environ`)."""
+    from distributed import Security
+
+    return Security.temporary()
+
+
+def tls_environ(security: Any) -> dict[str, str]:
+    """Dask's configuration variables that give a process these TLS client credentials (a run's trainer processes:
+    `astratk train fit` reaches the run's local cluster with them). A process's environment is readable by its own
+    user only (/proc/<pid>/environ)."""
+    if security is None:
+        return {}
+    return {"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": security.tls_ca_file,
+            "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": security.tls_client_cert,
+            "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY": security.tls_client_key,
+            "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "True"}
 
 
 class PoolCluster(SpecCluster):
@@ -185,7 +208,7 @@ class PoolCluster(SpecCluster):
 
     def __init__(self, workers: dict[str, dict[str, Any]], templates: dict[str, dict[str, Any]], elastic: str, *,
                  dashboard: bool = False, pre_spawn_environ: dict[str, str] | None = None,
-                 gpus: dict[str, list[str]] | None = None) -> None:
+                 gpus: dict[str, list[str]] | None = None, security: Any = None) -> None:
         if elastic not in templates:
             raise ValueError(f"elastic pool {elastic!r} is not a worker class; classes are {sorted(templates)}")
         self.templates = templates
@@ -193,6 +216,7 @@ class PoolCluster(SpecCluster):
         self.worker_class = {name: CONTROL if name == CONTROL else name.rsplit("-", 1)[0] for name in workers}
         self._next_index = {c: sum(1 for w in workers if self.worker_class[w] == c) for c in templates}
         self._pre_spawn = pre_spawn_environ  # every nanny's (thread counts): updated in place for a kept cluster
+        self.tls = security  # the cluster's throw-away TLS credentials (`local_security`), or None: plain TCP
         for s in (*workers.values(), *templates.values()):
             self._share_pre_spawn(s)
         # class -> the CUDA_VISIBLE_DEVICES of its GPUs (cluster.rollout_gpus): one worker per GPU, also when resized
@@ -204,14 +228,18 @@ class PoolCluster(SpecCluster):
                                                    "dashboard_address": "127.0.0.1:0"}}
         if not dashboard:
             scheduler = {"cls": NoHTTPScheduler, "options": {"host": "127.0.0.1", "dashboard": False}}
+        if security is not None:  # TLS: only peers holding the cluster's credentials get in
+            scheduler["options"].update(security=security, protocol="tls://")
         super().__init__(workers=workers, scheduler=scheduler, worker=templates[elastic], name="astratk",
-                         silence_logs=logging.WARNING)
+                         silence_logs=logging.WARNING, security=security)
 
     def _share_pre_spawn(self, worker_spec: dict[str, Any]) -> None:
         """A nanny reads `pre-spawn-environ` (thread counts must be set before a worker imports numpy/torch) when it
         is created: each gets the cluster's own, not the global config's."""
         if self._pre_spawn is not None and worker_spec["cls"] is EnvNanny:
             worker_spec["options"]["pre_spawn_environ"] = self._pre_spawn
+        if self.tls is not None:  # every worker (and nanny) of the cluster holds its TLS credentials
+            worker_spec["options"]["security"] = self.tls
 
     def _update_worker_status(self, op: str, msg: Any) -> None:
         """A worker left the scheduler. SpecCluster closes its nanny for good when no worker of that name is back

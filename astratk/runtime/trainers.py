@@ -34,9 +34,10 @@ TRAINER_THREADS_ENV = "ASTRATK_TRAINER_THREADS"  # a run's trainer processes tak
 class TrainerProcesses:
     def __init__(self, spec: Any, run_dir: Path, deployment: str, scheduler: str,
                  printer: Callable[[str], None] = print, startup_timeout_s: float | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, environ: dict[str, str] | None = None) -> None:
         self.spec, self.run_dir, self.deployment, self.scheduler = spec, Path(run_dir), deployment, scheduler
         self.threads = threads  # each trainer process's torch threads (the run's plan); None: `cpu.run_threads`
+        self.environ = dict(environ or {})  # added to their environment (a local cluster's TLS credentials)
         self.print = printer
         self.startup_timeout_s = startup_timeout_s or spec.cluster.startup_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
@@ -54,7 +55,7 @@ class TrainerProcesses:
 
         threads = str(self.threads or run_threads(self.spec).trainer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-               TRAINER_THREADS_ENV: threads}
+               TRAINER_THREADS_ENV: threads, **self.environ}
         for p in self.spec.policies:
             pid = p.policy_id
             trainer_dir(self.run_dir, pid).mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,10 @@ class ClusterSpec(Section):
     """None: start a local cluster"""
     processes: bool = True
     """local cluster of worker processes; False: threads in this process (debuggers)"""
+    local_tls: bool = True
+    """a local cluster speaks TLS with throw-away credentials made for the run (in memory, never on disk), so no other
+    process on the machine can connect to it and run code as you; false: plain TCP on 127.0.0.1, which any local user
+    can reach (a machine of your own only)"""
     rollout_workers: int = 1
     """size of the one rollout pool (class "rollout") when `pools` is empty"""
     pools: list[WorkerClass] = field(default_factory=list)
