@@ -190,14 +190,17 @@ def local_security() -> Any:
 
 
 def tls_environ(security: Any) -> dict[str, str]:
-    """Dask's configuration variables that give a process these TLS client credentials (a run's trainer processes:
-    `astratk train fit` reaches the run's local cluster with them). A process's environment is readable by its own
-    user only (/proc/<pid>/environ)."""
+    """Dask's configuration variables that give a process these TLS credentials, as a client and as a worker: a run's
+    trainer processes (`astratk train fit` reaches the run's local cluster with them), or a `dask worker` you start
+    yourself to join a local run's pool (`cluster.scheduler_address`-less runs: give it this environment). A
+    process's environment is readable by its own user only (/proc/<pid>/environ)."""
     if security is None:
         return {}
     return {"DASK_DISTRIBUTED__COMM__TLS__CA_FILE": security.tls_ca_file,
             "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT": security.tls_client_cert,
             "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY": security.tls_client_key,
+            "DASK_DISTRIBUTED__COMM__TLS__WORKER__CERT": security.tls_worker_cert,
+            "DASK_DISTRIBUTED__COMM__TLS__WORKER__KEY": security.tls_worker_key,
             "DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION": "True"}
 
 

@@ -22,10 +22,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from astratk.runtime.acquisition import task_accounting
+from astratk.runtime.pools import tls_environ
 from astratk.runtime.session import Session
 from astratk.spec import WorkerClass
 from tests.integration.test_local_run import small_spec
@@ -51,10 +53,11 @@ def _rollout_workers(client) -> dict[str, str]:
     return {str(w["name"]): a for a, w in workers.items() if w.get("resources", {}).get("rollout_main")}
 
 
-def _start_dask_worker(address: str, name: str) -> subprocess.Popen:
+def _start_dask_worker(address: str, name: str, tls: Any = None) -> subprocess.Popen:
+    """A `dask worker` joining the run's local cluster, with the cluster's TLS credentials (`tls_environ`)."""
     dask_cli = Path(sys.executable).parent / "dask"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASTRATK_WORKER_CLASS": "joined",
-           "ASTRATK_SIM_SLOWDOWN": str(SLOWDOWN)}
+           "ASTRATK_SIM_SLOWDOWN": str(SLOWDOWN), **tls_environ(tls)}
     cmd = [str(dask_cli), "worker", address, "--name", name, "--nthreads", "1", "--host", "127.0.0.1",
            "--resources", "rollout_main=1,score=1", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -84,7 +87,7 @@ class Chaos:
             s = self.session
             _wait(lambda: self.version() >= 2, 120, "training to publish version 2")
             self.joined_at_version = self.version()
-            self.dask_worker = _start_dask_worker(s.client.scheduler.address, "joined-0")
+            self.dask_worker = _start_dask_worker(s.client.scheduler.address, "joined-0", s.cluster.tls)
             s.cluster.scale_pool(2)  # adds rollout-1 through the cluster object
             _wait(lambda: {"joined-0", "rollout-1"} <= set(self.services()), JOIN_TIMEOUT_S,
                   "both joining workers to have rollouts admitted")
