@@ -86,7 +86,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
             raise SpecTypeError(f"{key}: expected a list of {_describe(item, plural=True)}, got {_show(value)}")
         out = [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return value if isinstance(value, list) and all(a is b for a, b in zip(out, value)) else out
+        return value if isinstance(value, list) and all(a is b for a, b in zip(out, value, strict=True)) else out
     if origin is dict:
         if not isinstance(value, Mapping):
             raise SpecTypeError(f"{key}: expected a mapping (dict), got {_show(value)}")

@@ -74,7 +74,7 @@ class Trajectory:
         if n < 0:
             raise ValueError(f"trajectory {self.group_id}: n_prompt={self.n_prompt} > "
                              f"len(tokens)={len(self.tokens)}")
-        names = ("loss_mask", "behavior_logprobs", "behavior_versions")
+        names: tuple[str, ...] = ("loss_mask", "behavior_logprobs", "behavior_versions")
         if self.behavior_topk_ids or self.behavior_topk_logprobs:
             names += ("behavior_topk_ids", "behavior_topk_logprobs")
         for name in names:
@@ -94,7 +94,7 @@ class Trajectory:
         # every token is the policy's (single turn): min() in C
         if self.loss_mask and min(self.loss_mask) > 0:
             return min(self.behavior_versions)
-        produced = [v for v, m in zip(self.behavior_versions, self.loss_mask) if m]
+        produced = [v for v, m in zip(self.behavior_versions, self.loss_mask, strict=True) if m]
         return min(produced) if produced else -1
 
     def with_reward(self, reward: float) -> Trajectory:

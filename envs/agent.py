@@ -386,23 +386,24 @@ def trajectory_from_calls(calls: Sequence[Any], tokenizer: Any, *, task: Task, g
     last = segments[-1]
     dropped = segments[:-1]
     n_calls = len(calls)
-    parsed = [tc for call, i in zip(calls, picks) for tc in parse_tool_calls(
+    parsed = [tc for call, i in zip(calls, picks, strict=True) for tc in parse_tool_calls(
         tokenizer.decode(list(call.completions[i].token_ids), skip_special_tokens=True))]
     stats = {"calls": float(n_calls), "tool_calls": float(sum(not tc.error for tc in parsed)),
              "tool_call_errors": float(sum(bool(tc.error) for tc in parsed)),
-             "tokens_per_call": sum(len(call.completions[i].token_ids) for call, i in zip(calls, picks)) / n_calls,
+             "tokens_per_call": sum(len(call.completions[i].token_ids)
+                                    for call, i in zip(calls, picks, strict=True)) / n_calls,
              "endpoint_latency_s": sum(call.latency_s for call in calls) / n_calls,
              "policy_tokens": float(last["policy_tokens"]), "env_tokens": float(last["env_tokens"]),
              "completion_tokens": float(last["policy_tokens"]),
              "reused_turns": float(sum(call.extends is not None for call in calls)),
              "segments_dropped": float(len(dropped)),
              "tokens_dropped": float(sum(s["policy_tokens"] for s in dropped))}
-    widths = {len(row) for row, m in zip(last["topk_ids"], last["mask"]) if m}
+    widths = {len(row) for row, m in zip(last["topk_ids"], last["mask"], strict=True) if m}
     k = min(widths) if widths else 0  # calls that recorded different widths: the width every generated token has
-    topk = {"behavior_topk_ids": tuple(tuple(row[:k]) for row in last["topk_ids"]),
-            "behavior_topk_logprobs": tuple(tuple(row[:k]) for row in last["topk_logprobs"])} if k else {}
+    topk_ids = tuple(tuple(row[:k]) for row in last["topk_ids"]) if k else ()
+    topk_logprobs = tuple(tuple(row[:k]) for row in last["topk_logprobs"]) if k else ()
     return Trajectory(task_id=task.task_id, group_id=group_id, policy_id=policy_id, role=role,
                       tokens=tuple(last["tokens"]), n_prompt=last["n_prompt"], loss_mask=tuple(last["mask"]),
                       behavior_logprobs=tuple(last["logprobs"]), behavior_versions=tuple(last["versions"]),
                       finished=last["finished"], text=last.get("text", ""), metrics={**stats, **(metrics or {})},
-                      **topk)
+                      behavior_topk_ids=topk_ids, behavior_topk_logprobs=topk_logprobs)

@@ -97,7 +97,8 @@ class FunctionEnv(DatasetEnv):
                 raise TypeError(f"reward_funcs[{i}] is not callable: {f!r}")
         self.reward_names = [_func_name(f, i) for i, f in enumerate(self._funcs)]
         # the saved config's view (config.yaml, the model cache key): names and descriptions, not objects
-        self.reward_funcs = [f if isinstance(f, str) else _qualified(g) for f, g in zip(funcs, self._funcs)]
+        self.reward_funcs = [f if isinstance(f, str) else _qualified(g)
+                             for f, g in zip(funcs, self._funcs, strict=True)]
         weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
         if len(weights) != len(funcs) or not all(math.isfinite(w) for w in weights):
             raise ValueError(f"reward_weights: give {len(funcs)} finite numbers (one per reward function), got "
@@ -156,10 +157,11 @@ class FunctionEnv(DatasetEnv):
         per_func = [self._call(i, [prompt] * n, completions, ids, columns) for i in range(len(self._funcs))]
         out: list[tuple[float | None, dict[str, float]]] = []
         for j in range(n):
-            values = [(w, vals[j]) for w, vals in zip(self.reward_weights, per_func) if vals[j] is not None]
-            reward = sum(w * v for w, v in values) if values else None
-            metrics = {f"reward/{name}": vals[j] for name, vals in zip(self.reward_names, per_func)
-                       if vals[j] is not None}
+            values = [(w, v) for w, vals in zip(self.reward_weights, per_func, strict=True)
+                      if (v := vals[j]) is not None]
+            reward = float(sum(w * v for w, v in values)) if values else None
+            metrics = {f"reward/{name}": v for name, vals in zip(self.reward_names, per_func, strict=True)
+                       if (v := vals[j]) is not None}
             out.append((reward, metrics))
         return out
 

@@ -109,7 +109,7 @@ class Conversation:
     @classmethod
     def start(cls, tokenizer: Any, messages: Sequence[Mapping[str, str]], budget: Budget = Budget(), *,
               chat: ChatTurns | None = None) -> Conversation:
-        prompt = encode_chat(tokenizer, list(messages))
+        prompt = encode_chat(tokenizer, [dict(m) for m in messages])
         if len(prompt) >= budget.max_context:  # the rollout service drops such a task, counted
             raise PromptTooLong(len(prompt), budget.max_context, "the episode's budget.max_context")
         return cls(tokenizer, budget, list(prompt), len(prompt), chat or ChatTurns(tokenizer),
@@ -142,8 +142,9 @@ class Conversation:
         if not self.can_continue:
             raise RuntimeError(f"no assistant turn left: {self.turns}/{self.budget.max_turns} turns, "
                                f"{self.room} tokens of context room (check `can_continue` first)")
-        if self._engine_context is None and getattr(engine, "max_model_len", None):
-            self._engine_context = int(engine.max_model_len)
+        limit = getattr(engine, "max_model_len", None)  # an optional attribute of the Engine protocol
+        if self._engine_context is None and limit:
+            self._engine_context = int(limit)
             if self.room <= 0:  # only before the first turn: from then on messages are cut to the room
                 raise PromptTooLong(len(self.tokens), self.max_context)
         per_turn = self.budget.max_tokens_per_turn or sampling.max_tokens

@@ -81,7 +81,7 @@ class Batcher:
             for call in {id(c): c for c, _ in items}.values():
                 _settle(call.future, error=e)
             return
-        for (call, i), completion in zip(items, completions):
+        for (call, i), completion in zip(items, completions, strict=True):
             call.results[i] = completion
             call.remaining -= 1
             if call.remaining == 0:

@@ -63,9 +63,10 @@ def _padded(prompts: list[tuple[int, ...]], new_tokens: int, device: torch.devic
     count real tokens only, so a row computes what it would alone."""
     w = max(cached, default=0)
     if w:
-        r = max(len(x) - m for x, m in zip(prompts, cached))
+        r = max(len(x) - m for x, m in zip(prompts, cached, strict=True))
         rows = [([0] * (w - m) + list(x[:m]) + [0] * (r - len(x) + m) + list(x[m:]),
-                 [0] * (w - m) + [1] * m + [0] * (r - len(x) + m) + [1] * (len(x) - m)) for x, m in zip(prompts, cached)]
+                 [0] * (w - m) + [1] * m + [0] * (r - len(x) + m) + [1] * (len(x) - m))
+                for x, m in zip(prompts, cached, strict=True)]
         c, p = 0, w + r
     else:
         c, p = shared_prefix(prompts), max(map(len, prompts))
@@ -105,7 +106,7 @@ class _Batch:
         hits: list[tuple[Any, int]] = [(None, 0)] * len(prompts)
         for tag in dict.fromkeys(self.tags) if prefix_cache is not None else ():  # one lookup per tag, in row order
             rows = [i for i, t in enumerate(self.tags) if t == tag]
-            for i, hit in zip(rows, prefix_cache.lookup(tag, [prompts[i] for i in rows])):
+            for i, hit in zip(rows, prefix_cache.lookup(tag, [prompts[i] for i in rows]), strict=True):
                 hits[i] = hit
         self.hits = [kv for kv, _ in hits]  # per row: the reused prefix's K/V per layer, or None
         # [B, P], [B, P+N], [B]

@@ -353,7 +353,7 @@ class TorchEngine:
             decoded = decode(self._model, self._tokenizer, requests, seeds, versions[0], device=self._device,
                              stats=self._stats, weight_updates=self.weight_updates,
                              take_loads=lambda: self._yield_to_loads(adapters[0]), prefix_cache=self._prefix,
-                             tags=[(a, v, self._version) for a, v in zip(adapters, versions)],
+                             tags=[(a, v, self._version) for a, v in zip(adapters, versions, strict=True)],
                              mix=self._mix if mixed else None,
                              slots=[None if a is None else self._adapters.get(a).slot for a in adapters])
         started = time.perf_counter()

@@ -90,7 +90,7 @@ def _row_seeds(requests: list[GenerationRequest], generator: torch.Generator) ->
     """[B] int64: the request's seed, or one drawn from `generator` (the engine's, seeded by its `seed=`)."""
     drawn = torch.randint(0, 1 << 62, (len(requests),), generator=generator)
     given = [r.params.seed for r in requests]
-    return torch.tensor([_signed64(s) if s is not None else int(d) for s, d in zip(given, drawn)])
+    return torch.tensor([_signed64(s) if s is not None else int(d) for s, d in zip(given, drawn, strict=True)])
 
 
 @dataclass
@@ -123,12 +123,13 @@ def _text_stop_hits(tokenizer: Any, states: dict[int, _TextStops], rows: torch.T
     if not len(sel):
         return hits
     batch, tails = [states[i] for i in rows[sel].tolist()], []
-    for state, t in zip(batch, tok[sel].tolist()):
+    for state, t in zip(batch, tok[sel].tolist(), strict=True):
         state.tokens.append(t)
         tail = state.tokens[-state.window - 1:]
         tails += [tail[:-1], tail]
     texts = tokenizer.batch_decode(tails, skip_special_tokens=False)
-    found = [state.completed(before, after) for state, before, after in zip(batch, texts[::2], texts[1::2])]
+    found = [state.completed(before, after)
+             for state, before, after in zip(batch, texts[::2], texts[1::2], strict=True)]
     hits[sel] = torch.tensor(found, device=hits.device)
     return hits
 

@@ -191,7 +191,7 @@ def _take_tokens(run: Running, c: Any) -> None:
     """Append a step's new tokens of one request (vLLM's DELTA output `c`) with their log-probs and, when the request
     asked for K, the K best alternatives by vLLM's rank (NaN where vLLM gave no log-prob for the sampled token)."""
     k = run.call.requests[run.index].params.top_k_logprobs
-    for tok, lps in zip(c.token_ids, c.logprobs or [{}] * len(c.token_ids)):
+    for tok, lps in zip(c.token_ids, c.logprobs or [{}] * len(c.token_ids), strict=True):
         run.tokens.append(tok)
         run.logprobs.append(lps[tok].logprob if tok in lps else float("nan"))
         if k:

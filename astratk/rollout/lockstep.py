@@ -48,6 +48,7 @@ class Lockstep:
         self._waiting: list[tuple[tuple, int, Any, Sequence[Any], asyncio.Future]] = []
         self._seq = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._serving: set[asyncio.Future] = set()  # batches being served (kept referenced until done)
 
     def engine(self, engine: Any) -> _LockstepEngine:
         return _LockstepEngine(self, engine)
@@ -100,7 +101,9 @@ class Lockstep:
             by_engine.setdefault(id(item[2]), []).append(item)
         self.batches += 1
         for items in by_engine.values():
-            asyncio.ensure_future(_serve(items))
+            task = asyncio.ensure_future(_serve(items))
+            self._serving.add(task)  # a task only weakly referenced by the loop may be collected mid-flight
+            task.add_done_callback(self._serving.discard)
 
 
 async def _serve(items: list[tuple[tuple, int, Any, Sequence[Any], asyncio.Future]]) -> None:

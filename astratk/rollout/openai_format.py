@@ -203,13 +203,14 @@ def choice(tok: Any, index: int, c: Completion, parsed: ChatRequest) -> dict[str
     out: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
     if parsed.logprobs:
         entries = []
-        for j, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        for j, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
             piece = tok.decode([tid])
             entry: dict[str, Any] = {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
             if parsed.top_logprobs and c.topk_ids:
                 entry["top_logprobs"] = [
                     {"token": tok.decode([i]), "logprob": p, "bytes": list(tok.decode([i]).encode())}
-                    for i, p in zip(c.topk_ids[j][:parsed.top_logprobs], c.topk_logprobs[j][:parsed.top_logprobs])]
+                    for i, p in zip(c.topk_ids[j][:parsed.top_logprobs], c.topk_logprobs[j][:parsed.top_logprobs],
+                                    strict=True)]
             else:
                 entry["top_logprobs"] = []
             entries.append(entry)

@@ -232,7 +232,7 @@ class SessionCapture:
         self._record(sess, call)
         choices = [choice(tok, i, c, parsed) for i, c in enumerate(completions)]
         history = [_normalise(m) for m in parsed.messages]
-        for i, (answer, c) in enumerate(zip(choices, captured)):
+        for i, (answer, c) in enumerate(zip(choices, captured, strict=True)):
             sess.turns[_turn_key(answer["message"])] = Turn(call_id, i, history, tools, prompt, c)
         while len(sess.turns) > MAX_TURNS:
             del sess.turns[next(iter(sess.turns))]

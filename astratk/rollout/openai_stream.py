@@ -43,7 +43,7 @@ def chunks(body: dict[str, Any], completions: tuple[Completion, ...], tok: Any, 
         return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None if lp is None else
                                      {"content": lp}, "finish_reason": finish}]}
 
-    for answer, c in zip(body["choices"], completions):
+    for answer, c in zip(body["choices"], completions, strict=True):
         i, message = answer["index"], answer["message"]
         entries = (answer.get("logprobs") or {}).get("content") if logprobs else None
         yield chunk(i, {"role": "assistant", "content": ""})

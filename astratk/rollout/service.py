@@ -311,15 +311,17 @@ class RolloutService:
                     continue
                 scored = [(r.score_timeout_reward, {"score_timed_out": 1.0}) for _ in flat]
             rewards = [r for r, _ in scored]
-            flat = [dataclasses.replace(t, metrics={**t.metrics, **m}) if m else t for t, (_, m) in zip(flat, scored)]
             if len(rewards) != len(flat):
                 raise ValueError(f"env {self.env.name!r}: score returned {len(rewards)} rewards for {len(flat)} "
                                  "trajectories")
+            flat = [dataclasses.replace(t, metrics={**t.metrics, **m}) if m else t
+                    for t, (_, m) in zip(flat, scored, strict=True)]
             groups, at = [], 0
             for g in res.groups:
                 span = slice(at, at + len(g.trajectories))
                 at = span.stop
-                trajs = tuple(t if r is None else t.with_reward(r) for t, r in zip(flat[span], rewards[span]))
+                trajs = tuple(t if r is None else t.with_reward(r)
+                              for t, r in zip(flat[span], rewards[span], strict=True))
                 groups.append(dataclasses.replace(g, trajectories=trajs))
             out.append(dataclasses.replace(res, groups=tuple(groups)))
         return out
@@ -379,18 +381,18 @@ class RolloutService:
 
         by_role: dict[str, list[float]] = {role: [] for role in self.env.roles}
         by_env: dict[str, list[float]] = {}
-        for task, trajs in zip(tasks, episodes):
+        for task, trajs in zip(tasks, episodes, strict=True):
             scores = score(task, trajs)
             for role in self.env.roles:  # an unscorable episode counts as 0 (evaluation must not drop tasks)
-                mine = [sc for sc, t in zip(scores, trajs) if t.role == role and sc is not None]
+                mine = [sc for sc, t in zip(scores, trajs, strict=True) if t.role == role and sc is not None]
                 by_role[role].append(sum(mine) / len(mine) if mine else 0.0)
             by_env.setdefault(task.env, []).append(by_role[self.env.roles[0]][-1])
         out: dict[str, float] = {}
         if pass_k > 0:
             solver, passed = self.env.roles[0], 0
-            for task, per_task in zip(tasks, sampled):  # one episode is scored at a time, as above
+            for task, per_task in zip(tasks, sampled, strict=True):  # one episode is scored at a time, as above
                 passed += any(sc is not None and sc >= 1.0 for ep in per_task
-                              for sc, t in zip(score(task, ep), ep) if t.role == solver)
+                              for sc, t in zip(score(task, ep), ep, strict=True) if t.role == solver)
             out[f"pass_at_{pass_k}"] = passed / max(1, len(tasks))
         rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (the solver's)
         version = synced[first]

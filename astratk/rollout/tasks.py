@@ -47,7 +47,7 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
     admitted = duplicates = samples = 0
     seconds = 0.0
     services: dict[str, dict[str, Any]] = {}
-    for res, out in zip(results, reply.outcomes):
+    for res, out in zip(results, reply.outcomes, strict=True):
         admitted += out.admitted
         duplicates += out.duplicate
         samples += sum(len(g.trajectories) for g in res.groups)

@@ -199,9 +199,9 @@ class ClusterSpec(Section):
         """`rollout_gpus` pins the workers of the local cluster's one rollout class; which GPUs exist
         is checked on the machine (`astratk.spec.rules`)."""
         g = self.rollout_gpus
-        indices = isinstance(g, list) and g and all(
+        indices = isinstance(g, list) and bool(g) and all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
-        if g != "all" and not (indices and len(set(g)) == len(g)):
+        if g != "all" and not (indices and isinstance(g, list) and len(set(g)) == len(g)):
             raise ValueError(f"{key}.rollout_gpus must be 'all', a list of distinct GPU indices "
                              f"(e.g. [1, 2]) or null, got {g!r}")
         clash = ("scheduler_address" if self.scheduler_address is not None else

@@ -106,13 +106,14 @@ class DataflowSpec(Section):
                     raise ValueError(  # noqa: TRY004
                         f"{key}.{name}[{i}]: expected an astratk.dataflow.stages.{kind.__name__}, "
                         f"got {type(stage).__name__}")
-        for name, stage, kind in (("order", self.order, ServingOrder),
-                                  ("replay", self.replay, Replay),
-                                  ("mixing", self.mixing, Mixing)):
-            if stage is not None and not isinstance(stage, kind):
+        serving: tuple[tuple[str, object, type], ...] = (("order", self.order, ServingOrder),
+                                                         ("replay", self.replay, Replay),
+                                                         ("mixing", self.mixing, Mixing))
+        for name, one, cls in serving:
+            if one is not None and not isinstance(one, cls):
                 raise ValueError(f"{key}.{name}: expected an "
-                                 f"astratk.dataflow.stages.{kind.__name__}, got "
-                                 f"{type(stage).__name__}")
+                                 f"astratk.dataflow.stages.{cls.__name__}, got "
+                                 f"{type(one).__name__}")
         if self.order is None:
             raise ValueError(f"{key}.order: required; use {{class_path: fifo}} (arrival order) or "
                              "{class_path: edf}")

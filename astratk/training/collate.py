@@ -16,7 +16,7 @@ from astratk.records import Group, TrainBatch
 
 
 def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
-    rows = [(t, adv, g.weight) for g in groups for t, adv in zip(g.trajectories, _advantages(g))]
+    rows = [(t, adv, g.weight) for g in groups for t, adv in zip(g.trajectories, _advantages(g), strict=True)]
     if not rows:
         raise ValueError("cannot collate an empty batch: the data layer served no trajectories")
     length = max(len(t.tokens) for t, _, _ in rows)
@@ -45,7 +45,7 @@ def collate(groups: Sequence[Group], pad_id: int) -> TrainBatch:
         versions[i, span] = torch.tensor(traj.behavior_versions, dtype=torch.long)
         rewards[i] = float(traj.reward if traj.reward is not None else 0.0)
         if k:  # env tokens carry empty tuples: they stay 0 (and loss_mask 0)
-            for j, (ids, lps) in enumerate(zip(traj.behavior_topk_ids, traj.behavior_topk_logprobs)):
+            for j, (ids, lps) in enumerate(zip(traj.behavior_topk_ids, traj.behavior_topk_logprobs, strict=True)):
                 if ids:
                     top_ids[i, p - 1 + j] = torch.tensor(ids[:k])
                     top_lp[i, p - 1 + j] = torch.tensor(lps[:k])

@@ -107,7 +107,7 @@ class MicroBatchSteps:
         saved = []
         dummy = dummy or [False] * len(chunks)
         with torch.no_grad():
-            for rows, fake in zip(chunks, dummy):
+            for rows, fake in zip(chunks, dummy, strict=True):
                 part = select_rows(batch, rows)
                 outputs = (rows, self._policy_forward(part), self._reference_logprobs(part), None)
                 if not fake:  # a dummy runs the forwards (FSDP's collectives) and is not kept
@@ -119,11 +119,11 @@ class MicroBatchSteps:
         token_losses, mask, metrics = self._loss_terms(batch, fwd, proximal, ref)
         loss = self._aggregate(token_losses, mask)
         grads = [torch.zeros_like(t) if g is None else g  # [B, T] or [B, T, K] each
-                 for t, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True))]
+                 for t, g in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True), strict=True)]
 
         def surrogate(rows: torch.Tensor, part: TrainBatch, dummy: bool) -> torch.Tensor:
             outputs = _outputs(self._policy_forward(part))
-            total = sum((out * g[rows, : out.shape[1]]).sum() for out, g in zip(outputs, grads))
+            total = sum((out * g[rows, : out.shape[1]]).sum() for out, g in zip(outputs, grads, strict=True))
             return total * 0.0 if dummy else total
 
         last = self._run_micro_batches(batch, chunks, surrogate, dummy)
@@ -136,7 +136,7 @@ class MicroBatchSteps:
         returned for Lightning to back-propagate (with clipping and the optimiser step after it, as for any loss).
         `dummy[i]`: micro-batch i only keeps the ranks' collectives in step (FSDP) and contributes zero."""
         dummy = dummy or [False] * len(chunks)
-        for rows, fake in zip(chunks[:-1], dummy[:-1]):
+        for rows, fake in zip(chunks[:-1], dummy[:-1], strict=True):
             self._backward(contribution(rows, select_rows(batch, rows), fake))
         return contribution(chunks[-1], select_rows(batch, chunks[-1]), dummy[-1])
 

@@ -50,7 +50,7 @@ def apply_corrections(corrections: Sequence[TokenCorrection], names: Sequence[st
         return inputs, metrics
     weights = inputs.weights if inputs.weights is not None else torch.ones_like(inputs.loss_mask)
     mask = inputs.loss_mask
-    for name, correction in zip(names, corrections):
+    for name, correction in zip(names, corrections, strict=True):
         out = correction(dataclasses.replace(inputs, weights=weights, loss_mask=mask))
         weights = weights * out.weights.detach().to(weights.dtype)  # [B, T]
         mask = mask * out.keep.to(mask.dtype)  # [B, T]

@@ -44,7 +44,7 @@ class BatchUpdates:
             proximal = [self._no_grad_logprobs(self.model, part) for part in slices]  # [b, t] each, at the start
         self._updated_earlier = False
         records: list[tuple[torch.Tensor, dict[str, Any]]] = []
-        for part, prox in zip(slices[:-1], proximal[:-1]):
+        for part, prox in zip(slices[:-1], proximal[:-1], strict=True):
             loss, metrics = self._step(part, prox)
             self._backward(loss)
             self._update()

@@ -374,7 +374,7 @@ class WeightStore:
         else:
             with concurrent.futures.ThreadPoolExecutor(min(_MAX_READERS, len(refs))) as pool:
                 data = list(pool.map(self.fs.cat_file, paths))
-        for ref, path, blob in zip(refs, paths, data):
+        for ref, path, blob in zip(refs, paths, data, strict=True):
             self.stats["bytes_pulled"] += len(blob)
             if hashlib.sha256(blob).hexdigest() == ref.checksum:
                 out[ref.uri] = blob

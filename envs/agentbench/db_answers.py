@@ -62,7 +62,7 @@ def answers_match(text: str, gold: Sequence[str], *, is_list: bool, ordered: boo
     if len(given) != len(gold):
         return False
     if ordered or not is_list:
-        return all(same_value(a, g) for a, g in zip(given, gold))
+        return all(same_value(a, g) for a, g in zip(given, gold, strict=True))
     remaining = list(gold)
     for a in given:
         j = next((j for j, g in enumerate(remaining) if same_value(a, g)), None)

@@ -289,7 +289,7 @@ def _dir_of(mount: tuple[str, str], path: str) -> str | None:
 
 def _reap_stale(layout: Layout) -> None:
     """Kill and remove run cgroups left by host processes that died before removing them."""
-    for parent, rel in zip(layout.parents, layout.rels):
+    for parent, rel in zip(layout.parents, layout.rels, strict=True):
         with contextlib.suppress(OSError):
             for name in os.listdir(parent):
                 m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", name)

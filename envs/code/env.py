@@ -304,7 +304,7 @@ class CodeEnv(Env):
         codes = [solution_code(text, task.info.get("entry_point"), task.info.get("prefix", "")) for text in texts]
         unique = sorted({c for c in codes if c is not None})
         with ThreadPoolExecutor(max_workers=max(1, min(len(unique), self.max_parallel))) as pool:
-            graded = dict(zip(unique, pool.map(lambda c: self._grade_code(task, c), unique)))
+            graded = dict(zip(unique, pool.map(lambda c: self._grade_code(task, c), unique), strict=True))
         n = len(task.info["tests"])
         none = CodeScore(0.0, 0, n, "", {"code/tests_passed": 0.0, "code/tests_total": float(n),
                                          "code/no_code": 1.0})
@@ -388,7 +388,7 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return a == b or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
@@ -399,7 +399,7 @@ def _same_tokens(got: str, expected: str) -> bool:
     g, e = got.split(), expected.split()
     if len(g) != len(e):
         return False
-    for x, y in zip(g, e):
+    for x, y in zip(g, e, strict=True):
         if x == y:
             continue
         try:

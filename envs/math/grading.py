@@ -95,10 +95,8 @@ def final_answer(text: str) -> str | None:
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().splitlines()
         return tail[0].strip() if tail and tail[0].strip() else None
-    last = None
-    for last in _LAST_NUMBER.finditer(text):
-        pass
-    return last.group(0) if last else None
+    matches = list(_LAST_NUMBER.finditer(text))
+    return matches[-1].group(0) if matches else None
 
 
 def is_simple(answer: str) -> bool:

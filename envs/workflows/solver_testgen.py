@@ -117,7 +117,8 @@ class SolverTestGenEnv(Env):
             if t.role not in self.roles:
                 raise ValueError(f"{self.name}: unknown role {t.role!r} in trajectory {t.group_id}")
         solvers = [t for t in trajectories if t.role == "solver"]
-        solved = dict(zip((id(t) for t in solvers), self.base.score_details(task, [t.text for t in solvers])))
+        solved = dict(zip((id(t) for t in solvers), self.base.score_details(task, [t.text for t in solvers]),
+                          strict=True))
         entry, prefix = task.info.get("entry_point"), task.info.get("prefix", "")
         wrong = sorted({code for t in solvers
                         if (code := solution_code(t.text, entry, prefix)) is not None
@@ -154,7 +155,7 @@ class SolverTestGenEnv(Env):
         ref = self.base.run_tests(reference, as_tests)
         if ref.reward is None:
             return None, {}
-        valid = dict(zip(tests, ref.per_test))
+        valid = dict(zip(tests, ref.per_test, strict=True))
         kept = [a for a in tests if valid[a]]
         rejecting = dict.fromkeys(tests, False)
         if kept and wrong:
@@ -163,6 +164,6 @@ class SolverTestGenEnv(Env):
                 for result in pool.map(lambda code: self.base.run_tests(code, checks), wrong):
                     if result.reward is None:  # that program's sandbox failed: it proves nothing either way
                         continue
-                    for a, ok in zip(kept, result.per_test):
+                    for a, ok in zip(kept, result.per_test, strict=True):
                         rejecting[a] = rejecting[a] or not ok
         return valid, rejecting

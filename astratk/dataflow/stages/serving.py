@@ -212,7 +212,7 @@ class Mixing(Stage):
                     break
         taken = {i for idx in reserved.values() for i in idx}
         spare = (i for i in range(len(ordered)) if i not in taken)
-        used = Counter()
+        used: Counter[str] = Counter()
         out: list[Group] = []
         for env in slots:
             if used[env] < len(reserved[env]):
