@@ -110,11 +110,16 @@ def test_two_policy_job_across_separate_processes(tmp_path):
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["final_version"] == 2 and (run_dir / "metrics.nc").exists()
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Terminate the processes a test started, newest first; kill any that has not ended 20 s later."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration.test_cli_cluster import stop_all
+
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
@@ -83,10 +85,4 @@ def test_a_user_env_module_that_the_scheduler_cannot_import(tmp_path):
         trainer, rollout = (int(x) for x in re.findall(r"trainer (\d+), each rollout worker (\d+)", cpu_line)[0])
         assert trainer + rollout <= max(2, os.cpu_count() or 2), cpu_line
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)

@@ -14,9 +14,11 @@ from astratk.contracts import LossInputs, PolicyLoss
 from astratk.losses.cispo import CISPO
 from astratk.losses.cov import ClipCov, KLCov, centred_covariance
 from astratk.losses.decoupled_ppo import DecoupledPPO
+from astratk.losses.dro import DRO
 from astratk.losses.gmpo import GMPO
 from astratk.losses.gpg import GPG
 from astratk.losses.ppo_clip import PPOClip
+from astratk.losses.vespo import VESPO
 from astratk.registry import resolve
 from astratk.training.aggregation import aggregate
 
@@ -303,7 +305,7 @@ def test_cispo_lower_clip():
 # ------------------------------------------------------------------------------------------------------ shared checks
 NEW = [DecoupledPPO(), DecoupledPPO(behavior_weight_cap=3.0),
        DecoupledPPO(behavior_weight_cap=3.0, cap_mode="truncate", weight_level="sequence", dual_clip=3.0),
-       DecoupledPPO(weight_level="geometric"), GPG(), GMPO(), ClipCov(clip_ratio=0.5, cov_low=-1.0),
+       DecoupledPPO(weight_level="geometric"), DRO(beta=0.2), DRO(beta=0.2, anchor="behavior"), VESPO(), GPG(), GMPO(), ClipCov(clip_ratio=0.5, cov_low=-1.0),
        KLCov(kl_ratio=0.5), CISPO(ratio_floor=0.5)]
 
 
