@@ -88,6 +88,8 @@ RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("prefix", "eval_accuracy", {"description": "greedy held-out accuracy of one role", "units": "fraction"}),
     ("prefix", "eval_pass_at_", {"description": "held-out pass@k (a task passes if any of k samples scores >= 1)",
                                  "units": "fraction"}),
+    ("prefix", "eval_sampled_accuracy", {"description": "held-out mean@k: the mean score of k samples at the rollout "
+                                                        "temperature (eval.pass_k)", "units": "fraction"}),
     ("prefix", "loss_", {"description": "a diagnostic of the policy loss, per step"}),
     ("prefix", "train_correction_", {"description": "a diagnostic of a mismatch correction, per step"}),
     ("prefix", "train_", {"description": "trainer metric, per optimizer step"}),

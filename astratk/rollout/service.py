@@ -338,7 +338,8 @@ class RolloutService:
         engines so rollouts keep their own versions. Roles are routed as in the run (`spec.role_routes()`); a role
         whose policy is not in `versions` is played by the first one given (a single-policy evaluation of a
         workflow). Reports greedy `accuracy` (the first role's), `accuracy_<role>`, `accuracy_env_<env>` for a
-        mixture, `pass_at_<k>` (k samples at the rollout temperature; a task passes if any scores >= 1) when
+        mixture, `pass_at_<k>` (k samples at the rollout temperature; a task passes if any scores >= 1) and
+        `sampled_accuracy` (mean@k: the mean score of those samples, the accuracy of one sample) when
         `pass_k` > 0, and `version_<policy>` for every policy evaluated."""
         start = time.perf_counter()
         synced = {pid: self.sync(pid, "eval", v) for pid, v in versions.items()}
@@ -389,11 +390,19 @@ class RolloutService:
             by_env.setdefault(task.env, []).append(by_role[self.env.roles[0]][-1])
         out: dict[str, float] = {}
         if pass_k > 0:
-            solver, passed = self.env.roles[0], 0
+            solver, passed, means = self.env.roles[0], 0, []
             for task, per_task in zip(tasks, sampled, strict=True):  # one episode is scored at a time, as above
-                passed += any(sc is not None and sc >= 1.0 for ep in per_task
-                              for sc, t in zip(score(task, ep), ep, strict=True) if t.role == solver)
+                # each sample's solver scores; its accuracy is their mean, as for the greedy episode above (an
+                # unscorable or timed-out sample counts as 0)
+                solved = [[sc for sc, t in zip(score(task, ep), ep, strict=True) if t.role == solver and sc is not None]
+                          for ep in per_task]
+                passed += any(sc >= 1.0 for mine in solved for sc in mine)
+                samples = [sum(mine) / len(mine) if mine else 0.0 for mine in solved]
+                means.append(sum(samples) / len(samples) if samples else 0.0)
             out[f"pass_at_{pass_k}"] = passed / max(1, len(tasks))
+            # mean@k: the accuracy of one sample at the rollout temperature (a greedy accuracy near 1 leaves no room
+            # to measure; this one moves while RL sharpens the sampled policy)
+            out["sampled_accuracy"] = sum(means) / max(1, len(means))
         rewards = by_role[self.env.roles[0]]  # the headline accuracy is the first role's (the solver's)
         version = synced[first]
         try:

@@ -46,7 +46,7 @@ class LiveMetrics:
                 self._early_evals.append(r)
                 return
         pid = self.spec.policies[0].policy_id
-        keys = [k for k in r if k == "accuracy" or k.startswith(("accuracy_", "pass_at_"))]
+        keys = [k for k in r if k in ("accuracy", "sampled_accuracy") or k.startswith(("accuracy_", "pass_at_"))]
         self._log({f"eval/{pid}/{k}": r[k] for k in keys}, step=int(r["version"]),
                   flush=self.state != "training")
 

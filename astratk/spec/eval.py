@@ -20,7 +20,8 @@ class EvalSpec(Section):
     every_versions: int | None = None
     """also evaluate whenever the policy has published this many versions more"""
     pass_k: int = 0
-    """> 0: also report pass@k (k samples per task at the rollout temperature)"""
+    """> 0: also report pass@k and mean@k (`sampled_accuracy`: the mean score of k samples per task at the rollout
+    temperature, which still moves where the greedy accuracy is near 1)"""
 
     def validate(self, key: str = "eval") -> None:
         positive(key, interval_s=self.interval_s, max_tasks=self.max_tasks,

@@ -10,6 +10,7 @@ import torch
 
 from astratk.contracts import Engine, GenerationRequest, SamplingParams
 from astratk.engines import ScriptedEngine, build_engine
+from astratk.envs.math.arithmetic import ArithmeticEnv
 
 
 def gen(engine, requests):
@@ -151,3 +152,38 @@ def test_engine_arguments_the_constructor_cannot_take_fail_naming_what_it_takes(
     assert engine.version == 3
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         ScriptedEngine("no/such/model")
+
+
+class _LetterEnv(ArithmeticEnv):
+    """Arithmetic whose answer is right when the completion says Y (a test's grader)."""
+
+    def grade(self, task, text):
+        return float(text.strip().startswith("Y"))
+
+
+def test_evaluation_reports_pass_at_k_and_the_mean_of_the_samples(tmp_path):
+    """eval.pass_k: k samples per held-out task at the rollout temperature give pass@k and mean@k
+    (`sampled_accuracy`). Here greedy always answers right and the samples alternate right and wrong, so mean@k is
+    exactly 1/2 while the greedy accuracy is 1: the room a greedy metric near 1 leaves no longer hides progress."""
+    import itertools
+
+    from astratk.models import build_char_tokenizer
+    from astratk.models.tokenizer import save_char_tokenizer
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
+    from astratk.spec import RolloutSpec, RunSpec
+
+    tok = build_char_tokenizer()
+    save_char_tokenizer(tok, tmp_path)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    yes = [*tok("Y", add_special_tokens=False)["input_ids"], end]
+    no = [*tok("N", add_special_tokens=False)["input_ids"], end]
+    turn = itertools.cycle([yes, no])
+    script = lambda prompt, params: yes if params.temperature == 0 else next(turn)
+    spec = RunSpec(env=_LetterEnv(levels=[1], n_heldout=6),
+                   rollout=RolloutSpec(engine="scripted", group_size=2, temperature=1.0, max_new_tokens=4,
+                                       engine_args={"script": script})).validate()
+    service = RolloutService(RunContext("pass-k", spec, {"main": str(tmp_path)}, "memory://pass-k"))
+    out = service.evaluate_versions({"main": None}, max_tasks=6, pass_k=4)
+    assert out["accuracy"] == 1.0 and out["sampled_accuracy"] == 0.5
+    assert 0.0 < out["pass_at_4"] <= 1.0
