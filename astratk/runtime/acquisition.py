@@ -108,7 +108,8 @@ class Acquisition:
 
         while not self._stop.is_set():
             try:
-                target = self.spec.rollout.max_inflight_chunks * max(1, self._rollout_workers())
+                r = self.spec.rollout
+                target = max(r.max_inflight_chunks, r.concurrent_chunks + 1) * max(1, self._rollout_workers())
                 if len(self._inflight) < target and not self._paused.is_set():
                     self._submit(target - len(self._inflight))
                 if not self._inflight:

@@ -66,9 +66,10 @@ CONTROL = "control"
 ROLLOUT_MODULE = "astratk.rollout.tasks"  # what a pool's worker imports as it starts (Dask's worker `preload`)
 
 
-def rollout_labels(policies: Sequence[str]) -> dict[str, float]:
-    """The labels a worker needs to serve every policy's rollouts and score them."""
-    return {f"rollout_{p}": 1 for p in policies} | {SCORE_LABEL: 1}
+def rollout_labels(policies: Sequence[str], concurrent: int = 1) -> dict[str, float]:
+    """The labels a worker needs to serve every policy's rollouts and score them; each task takes 1 of a label, so
+    `concurrent` (`rollout.concurrent_chunks`) chunks run on the worker at once."""
+    return {f"rollout_{p}": concurrent for p in policies} | {SCORE_LABEL: concurrent}
 
 
 def pool_classes(spec: RunSpec) -> list[WorkerClass]:
@@ -91,10 +92,13 @@ def worker_gpus(spec: RunSpec) -> list[str]:
 def _class_spec(wc: WorkerClass, labels: dict[str, float], *, processes: bool, nthreads: int,
                 dashboard: bool = False, start: str = "spawn") -> dict[str, Any]:
     resources = dict(labels if wc.resources is None else wc.resources)
+    # a worker that runs several chunks at once needs a Dask thread for each
+    concurrent = max((int(v) for k, v in resources.items() if k.startswith("rollout_")), default=1)
     # A pool's worker imports the rollout tasks' modules (the engines, torch, transformers: ~4 s of CPU here) as it
     # starts, while the cluster comes up, not on the clock of the run's first task; the control worker never needs them
     preload = [*(dask.config.get("distributed.worker.preload", default=None) or []), ROLLOUT_MODULE]
-    options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": wc.nthreads or nthreads, "resources": resources,
+    options: dict[str, Any] = {"host": "127.0.0.1", "nthreads": max(wc.nthreads or nthreads, concurrent),
+                               "resources": resources,
                                "plugins": [SimulatedHardware(wc.name, wc.slowdown)], "preload": preload}
     return _worker_spec(options, processes, dashboard, start)
 
@@ -127,7 +131,7 @@ def worker_specs(spec: RunSpec, processes: bool = True,
                  start: str | None = None) -> dict[str, dict[str, Any]]:
     """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
     class of the run's pool. `start`: how their processes start (default: `cluster.worker_start` resolved here)."""
-    labels = rollout_labels([p.policy_id for p in spec.policies])
+    labels = rollout_labels([p.policy_id for p in spec.policies], spec.rollout.concurrent_chunks)
     if start is None:
         start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
     workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard, start)}
@@ -155,7 +159,7 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
     else the first rollout class). Thread counts go into each nanny's pre-spawn environment (read before a worker
     imports numpy/torch, reused when the nanny restarts a dead worker). Everything binds to 127.0.0.1."""
     classes = pool_classes(spec)
-    labels = rollout_labels([p.policy_id for p in spec.policies])
+    labels = rollout_labels([p.policy_id for p in spec.policies], spec.rollout.concurrent_chunks)
     if elastic is None and spec.cluster.autoscale is not None:
         elastic = spec.cluster.autoscale.pool
     elastic = elastic or _default_elastic(classes, labels)

@@ -58,7 +58,7 @@ def layout_key(spec: RunSpec) -> str | None:
 
     pre_spawn = dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {}
     return repr((sorted(p.policy_id for p in spec.policies), c.rollout_workers, c.pools, c.threads_per_worker,
-                 c.rollout_gpus, c.dashboard, c.local_tls, sorted(pre_spawn.items())))
+                 c.rollout_gpus, c.dashboard, c.local_tls, spec.rollout.concurrent_chunks, sorted(pre_spawn.items())))
 
 
 def rethread(client: Any, cluster: Any, threads: int, timeout_s: float = 30.0) -> None:

@@ -24,7 +24,12 @@ class RolloutSpec(Section):
     tasks_per_chunk: int = 8
     """tasks per rollout Dask task (their episodes share engine batches)"""
     max_inflight_chunks: int = 2
-    """acquisition keeps this many chunks in flight per rollout worker"""
+    """acquisition keeps this many chunks in flight per rollout worker (at least concurrent_chunks + 1)"""
+    concurrent_chunks: int = 1
+    """chunks a local rollout worker runs at once; their episodes share the engine's batches, so a small chunk
+    (tasks_per_chunk x group_size rows) does not cap the batch, and a held-out evaluation can run beside a chunk
+    instead of holding the worker. A worker of your own cluster takes as many as its `--resources rollout_<policy>=N`
+    and `--nthreads` allow"""
     max_batch: int = 512
     """most sequences the engine decodes together"""
     engine_args: dict[str, Any] = field(default_factory=dict)
@@ -61,7 +66,8 @@ class RolloutSpec(Section):
         """Ranges; whether `engine` is known and installed is checked in `astratk.spec.rules`."""
         positive(key, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
                   tasks_per_chunk=self.tasks_per_chunk,
-                  max_inflight_chunks=self.max_inflight_chunks, max_batch=self.max_batch)
+                  max_inflight_chunks=self.max_inflight_chunks, max_batch=self.max_batch,
+                  concurrent_chunks=self.concurrent_chunks)
         if not 0 < self.temperature < float("inf"):
             raise ValueError(f"{key}.temperature: training rollouts sample, so it must be > 0 (got "
                              f"{self.temperature}); greedy decoding is for evaluation")

@@ -130,3 +130,20 @@ def test_connect_to_a_refused_address_says_so_after_the_grace():
     with pytest.raises(ConnectionError, match=r"nothing accepts connections at tcp://127\.0\.0\.1:1 .*retried for 5s"):
         connect(spec)
     assert time.monotonic() - t < 30  # not the 120 s startup timeout
+
+
+def test_concurrent_chunks_give_rollout_workers_the_labels_and_threads_to_run_them_at_once():
+    from astratk.runtime.pools import worker_specs
+    from astratk.runtime.warm import layout_key
+    from astratk.spec import RolloutSpec
+
+    one = worker_specs(RunSpec(), processes=False)
+    two = worker_specs(RunSpec(rollout=RolloutSpec(concurrent_chunks=2)).validate(), processes=False)
+    assert one["rollout-0"]["options"]["resources"] == {"rollout_main": 1, "score": 1}
+    assert two["rollout-0"]["options"]["resources"] == {"rollout_main": 2, "score": 2}  # each chunk takes 1
+    assert (one["rollout-0"]["options"]["nthreads"], two["rollout-0"]["options"]["nthreads"]) == (1, 2)
+    assert two["control"]["options"]["resources"] == {"control": 1} and two["control"]["options"]["nthreads"] == 1
+    # a kept cluster is not reused by a run that needs other labels
+    assert layout_key(RunSpec()) != layout_key(RunSpec(rollout=RolloutSpec(concurrent_chunks=2)))
+    with pytest.raises(ValueError, match="concurrent_chunks"):
+        RunSpec(rollout=RolloutSpec(concurrent_chunks=0)).validate()
