@@ -256,6 +256,10 @@ class PoolCluster(SpecCluster):
         restarting is left to finish, with a warning each time the timeout passes again; one that gave up, or is still
         restarting after `RESTART_PATIENCE` timeouts, is closed and the worker is started afresh from the spec."""
         info = self.scheduler_info.get("workers", {}).get(msg) if op == "remove" else None
+        if op == "remove" and info is None:
+            # a worker the cluster no longer lists (its removal raced the cluster's close): nothing to forget, and
+            # Dask's own handlers would raise KeyError here, failing the close
+            return None
         nanny = self.workers.get(info["name"]) if info else None
         if not isinstance(nanny, Nanny):  # in-process workers, or a name this cluster no longer runs: Dask's rule
             return super()._update_worker_status(op, msg)

@@ -57,8 +57,9 @@ def test_two_background_runs_in_one_process_both_write_their_outputs(tmp_path):
     first = Run(tiny_spec(tmp_path, "first", max_steps=4), printer=lambda s: None).start(block=False)
     wait_until(lambda: version(first) >= 1, 240, "the first run's first step")
     first.pause()  # up, with its client, until the second trains too
-    # more steps than a tiny run makes between two polls of `wait_until`, so the pause below lands mid-run
-    second = Run(tiny_spec(tmp_path, "second", max_steps=40), printer=lambda s: None).start(block=False)
+    # more steps than a tiny run makes between two polls of `wait_until` (a poll is a data-layer round trip, which
+    # took seconds under the full suite's load: 40 steps once finished before the pause), so the pause lands mid-run
+    second = Run(tiny_spec(tmp_path, "second", max_steps=120), printer=lambda s: None).start(block=False)
     wait_until(lambda: version(second) >= 1, 240, "the second run's first step")
     assert first.state == "paused" and second.state == "training"
     second.pause()  # the first finishes (and closes its client) while the second is still up
@@ -67,7 +68,7 @@ def test_two_background_runs_in_one_process_both_write_their_outputs(tmp_path):
     assert second.state == "paused"
     second.resume()
     results.append(second.wait(timeout=240))
-    for result, name, steps in zip(results, ("first", "second"), (4, 40)):
+    for result, name, steps in zip(results, ("first", "second"), (4, 120)):
         assert result.summary["steps"] == steps and result.summary["final_version"] == steps, name
         assert load(result.files["metrics"]).sizes["step"] == steps, name
         assert json.loads(result.files["summary"].read_text())["final_version"] == steps, name
