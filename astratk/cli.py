@@ -90,14 +90,15 @@ def _deploy(argv: list[str]) -> int:
     600) for another to attach, then ends."""
 
     name, detached = None, DETACHED_TIMEOUT_S
-    if "--detached_timeout_s" in argv:
-        i = argv.index("--detached_timeout_s")
+    given = "--detached_timeout_s" in argv
+    value, argv = _take_flag(argv, "--detached_timeout_s")
+    if given or value is not None:
         try:
-            detached = float(argv[i + 1])
-        except (IndexError, ValueError):
-            print("astratk deploy: --detached_timeout_s needs a number of seconds", file=sys.stderr)
+            detached = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            got = "" if value is None else f", got {value!r}"
+            print(f"astratk deploy: --detached_timeout_s needs a number of seconds{got}", file=sys.stderr)
             return 2
-        argv = argv[:i] + argv[i + 2:]
     for flag in ("--deployment", "--name"):
         if flag in argv:
             i = argv.index(flag)
@@ -160,6 +161,14 @@ def _flags(argv: list[str], names: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _take_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """The value of `flag` (`--flag VALUE` or `--flag=VALUE`, the last one wins; None when absent) and `argv`
+    without it, for flags a command reads itself before the rest goes to the run config's parser."""
+    value = _flags(argv, (flag,)).get(flag)
+    rest = [a for i, a in enumerate(argv) if not (a.partition("=")[0] == flag or (i > 0 and argv[i - 1] == flag))]
+    return value, rest
+
+
 def _status(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="astratk status", description="Deployments on a Dask scheduler and the "
                                 "state of their data layers.")
@@ -219,15 +228,13 @@ def _probe(argv: list[str]) -> int:
         return 0
     counts = {"--tasks": 32, "--eval_tasks": None}
     for flag in counts:
-        given = _flags(argv, (flag,))
-        if flag in given:
+        value, argv = _take_flag(argv, flag)
+        if value is not None:
             try:
-                counts[flag] = int(given[flag])
+                counts[flag] = int(value)
             except ValueError:
-                print(f"astratk probe: {flag} needs a whole number, got {given[flag]!r}", file=sys.stderr)
+                print(f"astratk probe: {flag} needs a whole number, got {value!r}", file=sys.stderr)
                 return 2
-            argv = [a for i, a in enumerate(argv) if not (a.partition("=")[0] == flag
-                                                         or (i > 0 and argv[i - 1] == flag))]
     spec = _parse_spec(argv, "probe")
     if spec is None:
         return 2

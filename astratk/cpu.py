@@ -75,24 +75,18 @@ def plan_threads(setting: int | str, *, rollout_workers: int, synchronous: bool,
 def run_threads(spec: Any) -> ThreadPlan:
     """The thread plan of a run (`RunSpec`): its local rollout workers (workers that carry rollout labels), its
     trainers (one per policy) and its mode. Threads mode (`cluster.processes: false`) is one process: every core.
-    On a cluster of your own (`cluster.scheduler_address`) each rollout worker gets its host's cores: start one
-    worker process per host, or set an integer."""
+    On a cluster of your own (`cluster.scheduler_address`) each rollout worker gets its host's cores here; a run
+    replaces that with a plan per host once it knows its workers (`plan_shared_hosts`)."""
     c = spec.cluster
     setting = c.torch_threads
     if setting == "auto" and (not c.processes or c.scheduler_address is not None):
         n = cores()
         why = "threads mode: one process" if not c.processes else "a cluster of your own: each host's cores"
         return ThreadPlan(n, n, f"auto: {n} cores, {why}")
-    if c.pools:
-        workers = sum(wc.count for wc in c.pools
-                      if wc.resources is None or any(k.startswith("rollout_") and v > 0
-                                                     for k, v in wc.resources.items()))
-    elif c.rollout_gpus is not None:
-        workers = len(c.rollout_gpus) if isinstance(c.rollout_gpus, list) else 1
-    else:
-        workers = c.rollout_workers
-    return plan_threads(setting, rollout_workers=max(1, workers), synchronous=spec.dataflow.synchronous,
-                        trainers=len(spec.policies))
+    return plan_threads(setting, rollout_workers=max(1, c.local_rollout_workers()),
+                        synchronous=spec.dataflow.synchronous, trainers=len(spec.policies))
+
+
 
 
 @dataclass(frozen=True)

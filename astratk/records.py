@@ -331,10 +331,15 @@ class Shipped:
         if obj is None:
             if len(_OPENED) >= 8:  # a process serves few runs; keep the newest
                 _OPENED.pop(next(iter(_OPENED)))
-            obj = _OPENED[self.blob] = pickle.loads(self.blob)
+            obj = _OPENED[self.blob] = self._build(self.blob)
         return obj
 
+    @staticmethod
+    def _build(blob: bytes) -> Any:
+        return pickle.loads(blob)
 
+
+# pickled bytes -> what they carry, rebuilt once in this process
 _OPENED: dict[bytes, Any] = {}
 
 
@@ -344,8 +349,11 @@ class ShippedContext(Shipped):
 
     __slots__ = ()
 
-    def open(self) -> RunContext:
-        return _context_from_bytes(self.blob)
+    @staticmethod
+    def _build(blob: bytes) -> RunContext:
+        ctx = RunContext(*pickle.loads(blob))
+        object.__setattr__(ctx, "_pickled", blob)  # pickled again (a worker's own submissions): the same bytes
+        return ctx
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -356,21 +364,6 @@ class ShippedContext(Shipped):
 def opened(obj: Any) -> Any:
     """`obj` itself, or what it carries when it was shipped (`Shipped`)."""
     return obj.open() if isinstance(obj, Shipped) else obj
-
-
-# pickled bytes -> the context rebuilt from them, in this process
-_CONTEXTS: dict[bytes, RunContext] = {}
-
-
-def _context_from_bytes(blob: bytes) -> RunContext:
-    ctx = _CONTEXTS.get(blob)
-    if ctx is None:
-        # a process serves few runs; keep the newest
-        if len(_CONTEXTS) >= 8:
-            _CONTEXTS.pop(next(iter(_CONTEXTS)))
-        ctx = _CONTEXTS[blob] = RunContext(*pickle.loads(blob))
-        object.__setattr__(ctx, "_pickled", blob)
-    return ctx
 
 
 @dataclass(frozen=True)

@@ -240,19 +240,7 @@ class Drive:
                         for pid, v in versions.items()))
                     if all(versions[pid] >= target[pid] for pid in target):
                         break
-                    for pid, last in target.items():
-                        state = m.get(f"data/{pid}/trainer_attached")
-                        if state is None or said.get(pid) == state:
-                            continue
-                        said[pid] = state
-                        if state:
-                            self.print(f"policy {pid!r}: a trainer attached (v{versions[pid]})")
-                        else:
-                            step = int(m.get(f"data/{pid}/trainer_detached_step", 0))
-                            self.print(f"[detached] policy {pid!r}: its trainer ended after step {step} "
-                                       f"(v{versions[pid]} of {last}); the deployment keeps serving: attach "
-                                       f"another with the command above, or it ends {detached_timeout_s:.0f}s after "
-                                       "the last trainer ended (astratk deploy --detached_timeout_s)")
+                    self._say_trainers(m, versions, target, said, detached_timeout_s)
                     if all(said.get(pid) == 0.0 for pid in target):
                         all_ended = time.monotonic() if all_ended is None else all_ended
                         if time.monotonic() - all_ended >= detached_timeout_s:
@@ -264,6 +252,23 @@ class Drive:
         except KeyboardInterrupt:
             self.print("interrupted: stopping the deployment")
         return {}
+
+    def _say_trainers(self, m: dict[str, float], versions: dict[str, int], target: dict[str, int],
+                      said: dict[str, float], detached_timeout_s: float) -> None:
+        """One line per change of a policy's trainer (attached 1, ended 0: `DataLayer.trainer_attached` and
+        `trainer_detached`); `said` keeps what was said last, per policy."""
+        for pid, last in target.items():
+            state = m.get(f"data/{pid}/trainer_attached")
+            if state is None or said.get(pid) == state:
+                continue
+            said[pid] = state
+            if state:
+                self.print(f"policy {pid!r}: a trainer attached (v{versions[pid]})")
+                continue
+            step = int(m.get(f"data/{pid}/trainer_detached_step", 0))
+            self.print(f"[detached] policy {pid!r}: its trainer ended after step {step} (v{versions[pid]} of {last}); "
+                       f"the deployment keeps serving: attach another with the command above, or it ends "
+                       f"{detached_timeout_s:.0f}s after the last trainer ended (astratk deploy --detached_timeout_s)")
 
     def _autoscale_feed(self, policy_id: str, stream: Any) -> Callable[[], dict[str, float]]:
         """Per step: feed the wait-fraction monitor (trainer wait, whole-step wall time, groups

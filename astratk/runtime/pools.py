@@ -54,6 +54,7 @@ from astratk.rollout.hardware import SimulatedHardware, worker_hardware
 from astratk.runtime.no_http import NoHTTPScheduler, NoHTTPWorker
 from astratk.runtime.worker_start import THREAD_ENV, WORKER_MODULE, EnvNanny, resolve_start_method
 from astratk.spec import SCORE_LABEL, WorkerClass
+from astratk.spec.cluster import serves_rollouts
 
 if TYPE_CHECKING:
     from astratk.spec import RunSpec
@@ -148,8 +149,7 @@ def worker_specs(spec: RunSpec, processes: bool = True,
 
 def _default_elastic(classes: Sequence[WorkerClass], labels: dict[str, float]) -> str:
     for wc in classes:
-        res = labels if wc.resources is None else wc.resources
-        if any(k.startswith("rollout_") and v > 0 for k, v in res.items()):
+        if serves_rollouts(labels if wc.resources is None else wc.resources):
             return wc.name
     return classes[0].name
 

@@ -41,6 +41,7 @@ from astratk.runtime.live_metrics import LiveMetrics
 from astratk.runtime.resume import ResumePoint, copy_version, find_resume_point
 from astratk.runtime.wrap_up import WrapUp
 from astratk.spec import RunSpec
+from astratk.spec.cluster import serves_rollouts
 
 
 def _quiet_dask() -> None:
@@ -164,8 +165,7 @@ class Session(Drive, WrapUp, LiveMetrics):
         from astratk import cpu
 
         info = self.client.scheduler_info()["workers"]
-        rollout = [a for a, w in info.items()
-                   if any(k.startswith("rollout_") and v > 0 for k, v in (w.get("resources") or {}).items())]
+        rollout = [a for a, w in info.items() if serves_rollouts(w.get("resources"))]
         facts = self.client.run(cpu.host_facts, workers=rollout) if rollout else {}
         trainer, threads, why = cpu.plan_shared_hosts(cpu.host_facts(), facts, trainers=len(self.spec.policies),
                                                       synchronous=self.spec.dataflow.synchronous)

@@ -30,8 +30,7 @@ def nothing_to_train(spec: Any, metrics: dict[str, float]) -> str | None:
     `TOO_LONG_CHUNKS` chunks' worth of them per rollout worker, and no group has arrived for any policy."""
     too_long = metrics.get("data/tasks_dropped_prompt_too_long", 0.0)
     completed = metrics.get("data/tasks_completed", 0.0)
-    workers = sum(c.count for c in spec.cluster.pools) if spec.cluster.pools else spec.cluster.rollout_workers
-    first = TOO_LONG_CHUNKS * spec.rollout.tasks_per_chunk * max(1, workers)
+    first = TOO_LONG_CHUNKS * spec.rollout.tasks_per_chunk * max(1, spec.cluster.local_rollout_workers())
     received = sum(metrics.get(f"data/{p.policy_id}/groups_received", 0.0) for p in spec.policies)
     if received or too_long < first or too_long < completed:
         return None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,15 @@ class ClusterSpec(Section):
         if self.rollout_gpus is not None:
             self._validate_gpus(key)
 
+    def local_rollout_workers(self) -> int:
+        """The rollout workers of a run's local cluster: its pools' classes that carry rollout labels (a class without
+        its own `resources` gets them), one per GPU of `rollout_gpus`, else `rollout_workers`."""
+        if self.pools:
+            return sum(wc.count for wc in self.pools if wc.resources is None or serves_rollouts(wc.resources))
+        if self.rollout_gpus is not None:
+            return len(self.rollout_gpus) if isinstance(self.rollout_gpus, list) else 1
+        return self.rollout_workers
+
     def _validate_gpus(self, key: str) -> None:
         """`rollout_gpus` pins the workers of the local cluster's one rollout class; which GPUs exist
         is checked on the machine (`astratk.spec.rules`)."""
@@ -251,3 +261,8 @@ def dask_config_has_tls() -> bool:
 
     tls = bool(get("distributed.comm.tls.ca-file") and get("distributed.comm.tls.client.cert"))
     return tls or bool(get("distributed.client.security-loader"))
+
+
+def serves_rollouts(resources: Mapping[str, float] | None) -> bool:
+    """Whether a worker with these Dask resources runs rollouts: a `rollout_<policy>` label above 0."""
+    return any(k.startswith("rollout_") and v > 0 for k, v in (resources or {}).items())
