@@ -136,9 +136,11 @@ class TrainerSpec(Section):
     dir>/checkpoints/<policy>, for resume_from; None: no checkpoints"""
     checkpoint_keep: int | None = 3
     """checkpoints kept, the newest; None keeps all"""
-    micro_batch_tokens: int | None = None
+    micro_batch_tokens: int | str | None = "auto"
     """Cut each optimiser step's batch into micro-batches of at most this many padded tokens (rows x longest row) and
-    accumulate their gradients: activation memory scales with it, the update is the same. None: one forward."""
+    accumulate their gradients: activation memory scales with it, the update is the same. None: one forward. auto:
+    one forward while the step's tokens fit half the memory available at the first step, by an estimate of the
+    model's activation bytes per token (`astratk.training.activations`), micro-batches of that size above it."""
     share_prompts: bool = True
     """Run each distinct prompt of a step's batch once and continue every sample from its cache (the G samples of a
     group share their prompt): the same log-probs and gradients, fewer tokens through forward and backward
@@ -202,10 +204,7 @@ class TrainerSpec(Section):
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"{key}.checkpoint_every must be >= 1 step or null (no checkpoints), "
                              f"got {self.checkpoint_every}")
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"{key}.micro_batch_tokens must be >= 1 (padded tokens per "
-                             "micro-batch) or null (the whole step's batch in one forward), got "
-                             f"{self.micro_batch_tokens}")
+        check_micro_batch_tokens(self.micro_batch_tokens, f"{key}.micro_batch_tokens")
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"{key}.kl_estimator: unknown {self.kl_estimator!r}; "
                              "choose 'k1' or 'k3'")
@@ -224,3 +223,11 @@ class TrainerSpec(Section):
         if self.divergence is not None:
             self.divergence.validate(f"{key}.divergence")
 
+
+def check_micro_batch_tokens(value: object, key: str) -> None:
+    """`trainer.micro_batch_tokens` is an integer >= 1, auto or None; anything else is refused in one line."""
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1 (padded tokens per micro-batch), auto (sized from the model "
+                         f"and the memory available) or null (the whole step's batch in one forward); got {value!r}")

@@ -12,8 +12,11 @@ from typing import Any
 import torch
 
 from astratk.records import TrainBatch
+from astratk.training.activations import auto_token_budget
 from astratk.training.collate import micro_batches, place_rows, select_rows
 from astratk.training.logprobs import PolicyForward
+from astratk.training.prefix import micro_batches as shared_micro_batches
+from astratk.training.prefix import plan as prefix_plan
 from astratk.training.sharding import even_micro_batches, max_over_ranks
 
 
@@ -23,7 +26,7 @@ class MicroBatchSteps:
     def _step(self, batch: TrainBatch, proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """One update's loss (to back-propagate) and metrics on `batch`, whole or in micro-batches. `proximal`
         [B, T]: the proximal log-probs when the caller computed them before earlier updates (mini-batches)."""
-        chunks = micro_batches(batch, self.micro_batch_tokens)
+        chunks = self._micro_batches(batch)
         dummy = [False] * len(chunks)
         if self._sharded_root() is not None:  # FSDP: every rank runs the same number of forwards and backwards
             chunks, dummy = even_micro_batches(chunks, max_over_ranks(len(chunks), self.trainer.strategy))
@@ -35,6 +38,29 @@ class MicroBatchSteps:
             loss, metrics = self._accumulated_step(batch, chunks, dummy, proximal)
         metrics["micro_batches"] = float(len(chunks))
         return loss, metrics
+
+    def _micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The step's micro-batches (row indices). An integer budget packs rows by padded tokens (`collate`). `auto`
+        is worked out once, at the first step, from the model and the memory available
+        (`astratk.training.activations`) and said in one line; a batch whose forward fits it runs whole, a larger one
+        is cut into micro-batches of whole prompt groups by the tokens their shared-prompt passes run
+        (`astratk.training.prefix.micro_batches`), so each still runs its prompts once."""
+        if self.micro_batch_tokens != "auto":
+            return micro_batches(batch, self.micro_batch_tokens)
+        if self._auto_tokens is None:
+            tokens, line = auto_token_budget(self.model, batch.input_ids.device)
+            self._auto_tokens = tokens or 0
+            if self._trainer is None or self.trainer.is_global_zero:
+                print(f"trainer {self.policy_id!r}: {line}", flush=True)
+        rows, width = batch.input_ids.shape
+        plan = None
+        if self.share_prompts is not False:
+            plan = prefix_plan(batch.input_ids, batch.attention_mask, batch.loss_mask)
+        whole = rows * width if plan is None else round((1.0 - plan.saving) * rows * width)
+        if not self._auto_tokens or whole <= self._auto_tokens:
+            return [torch.arange(rows)]
+        return micro_batches(batch, self._auto_tokens) if plan is None else shared_micro_batches(plan,
+                                                                                                 self._auto_tokens)
 
     def _whole_step(self, batch: TrainBatch, proximal: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -174,3 +200,4 @@ def _detached(fwd: PolicyForward) -> PolicyForward:
 def _outputs(fwd: PolicyForward) -> list[torch.Tensor]:
     """The forward's outputs the loss can depend on (log π, entropy, top-K log π), in a fixed order."""
     return [t for t in (fwd.logprobs, fwd.entropy, fwd.topk_logprobs) if t is not None]
+

@@ -32,6 +32,8 @@ Optional, all off by default (then the step is exactly the one above):
   the same; Lightning still clips (`Trainer(gradient_clip_val=...)`) and steps, because this stays automatic
   optimisation: Lightning 2.6 rejects `gradient_clip_val` under manual optimisation, and the run builds its Trainer
   with it. The earlier micro-batches are back-propagated inside `training_step`, the last one by Lightning.
+  The default, `auto`, sizes the budget at the first step from the model's widths and the memory available
+  (`astratk.training.activations`) and runs a batch whole when it fits; None always runs one forward.
 
 Data parallel (DDP): rank r trains on `groups[r::W]` of the step's batch. The step's loss
 is L = (Σ_r S_r) / D, S_r = rank r's numerator (its sum of token losses for token-mean, of sequence values for the
@@ -56,7 +58,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -64,6 +66,7 @@ from astratk.contracts import PolicyLoss, TokenCorrection, check_double_weightin
 from astratk.models.loading import load_causal_lm
 from astratk.records import TrainBatch
 from astratk.spec import LoraSpec, TrainerSpec
+from astratk.spec.trainer import check_micro_batch_tokens
 from astratk.training._pl import pl
 from astratk.training.data import EndOfStream
 from astratk.training.forwards import PolicyForwards
@@ -89,7 +92,7 @@ class PolicyModule(BatchUpdates, MicroBatchSteps, PolicyForwards, LossTerms, Ste
                  horizon: int | None = None, corrections: list[TokenCorrection] | None = None,
                  kl_coef: float = _TRAINER.kl_coef, kl_estimator: str = _TRAINER.kl_estimator,
                  reference_path: str | None = None, entropy_coef: float = _TRAINER.entropy_coef,
-                 micro_batch_tokens: int | None = _TRAINER.micro_batch_tokens,
+                 micro_batch_tokens: int | Literal["auto"] | None = "auto",
                  lora: LoraSpec | dict[str, Any] | None = None,
                  share_prompts: bool = _TRAINER.share_prompts,
                  updates_per_batch: int = _TRAINER.updates_per_batch) -> None:
@@ -103,10 +106,9 @@ class PolicyModule(BatchUpdates, MicroBatchSteps, PolicyForwards, LossTerms, Ste
         if not (kl_coef >= 0 and entropy_coef >= 0):
             raise ValueError(f"kl_coef and entropy_coef must be >= 0 (0 turns the term off); got kl_coef={kl_coef}, "
                              f"entropy_coef={entropy_coef}")
-        if micro_batch_tokens is not None and not micro_batch_tokens >= 1:
-            raise ValueError(f"micro_batch_tokens must be >= 1 (padded tokens per micro-batch) or None (the whole "
-                             f"step's batch in one forward); got {micro_batch_tokens}")
+        check_micro_batch_tokens(micro_batch_tokens, "micro_batch_tokens")
         self.micro_batch_tokens = micro_batch_tokens
+        self._auto_tokens: int | None = None  # micro_batch_tokens auto, resolved at the first step (micro_steps)
         if isinstance(updates_per_batch, bool) or not isinstance(updates_per_batch, int) or updates_per_batch < 1:
             raise ValueError(f"updates_per_batch must be an integer >= 1 (optimiser updates per data-layer batch); "
                              f"got {updates_per_batch!r}")

@@ -136,3 +136,42 @@ def _expand(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.dim() == 2:
         return index
     return index.unsqueeze(-1).expand(*index.shape, *like.shape[2:])
+
+
+def micro_batches(plan: PrefixPlan, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices of micro-batches that keep each prompt's rows together, each costing at most `max_tokens` tokens
+    of the two passes (its distinct prompts x the longest of them + its rows x the longest suffix), so that every
+    micro-batch still runs each of its prompts once. Groups are packed widest first into the open micro-batch while
+    it fits; a group that alone exceeds the budget is cut into row slices (its prompt then runs once per slice); a
+    slice of one row is always allowed. Together the micro-batches cover every row once, rows in order within each.
+
+    Example:
+        >>> import torch
+        >>> p = PrefixPlan(owner=torch.tensor([0, 0, 1, 1]), split=torch.tensor([3, 3, 3, 3]),
+        ...                lengths=torch.tensor([5, 6, 5, 5]), first_row=torch.tensor([0, 2]), saving=0.0)
+        >>> [r.tolist() for r in micro_batches(p, 9)]  # a group costs 3 + 2 x 3 = 9; both together 2 x 3 + 4 x 3
+        [[0, 1], [2, 3]]
+    """
+    owner, split, lengths = plan.owner.tolist(), plan.split.tolist(), plan.lengths.tolist()
+    rows_of: dict[int, list[int]] = {}
+    for i, g in enumerate(owner):
+        rows_of.setdefault(g, []).append(i)
+
+    def cost(rows: list[int]) -> int:
+        prompts = {owner[i] for i in rows}
+        return len(prompts) * max(split[i] for i in rows) + len(rows) * max(lengths[i] - split[i] for i in rows)
+
+    order = sorted(rows_of.values(), key=lambda rows: (-max(lengths[i] for i in rows), rows[0]))
+    chunks: list[list[int]] = []
+    for rows in order:
+        if chunks and cost(chunks[-1] + rows) <= max_tokens:
+            chunks[-1].extend(rows)
+            continue
+        piece: list[int] = []
+        for i in sorted(rows, key=lambda r: (-lengths[r], r)):
+            if piece and cost([*piece, i]) > max_tokens:
+                chunks.append(piece)
+                piece = []
+            piece.append(i)
+        chunks.append(piece)
+    return [torch.tensor(sorted(rows)) for rows in chunks]

@@ -259,8 +259,54 @@ def test_accumulate_grad_batches_is_refused_with_the_fix(model_path):
 
 
 def test_micro_batch_tokens_is_validated(model_path):
-    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1"):
-        PolicyModule(model_path, DRPO(), horizon=H, micro_batch_tokens=0)
-    with pytest.raises(ValueError, match=r"policies\[0\].trainer.micro_batch_tokens must be >= 1"):
+    for bad in (0, -3, "whole", 1.5, True):
+        with pytest.raises(ValueError, match="micro_batch_tokens must be an integer >= 1"):
+            PolicyModule(model_path, DRPO(), horizon=H, micro_batch_tokens=bad)
+    with pytest.raises(ValueError, match=r"policies\[0\].trainer.micro_batch_tokens must be an integer >= 1"):
         RunSpec(policies=[PolicySpec(trainer=TrainerSpec(micro_batch_tokens=0))]).validate()
-    RunSpec(policies=[PolicySpec(trainer=TrainerSpec(micro_batch_tokens=4096))]).validate()
+    for good in (4096, "auto", None):
+        RunSpec(policies=[PolicySpec(trainer=TrainerSpec(micro_batch_tokens=good))]).validate()
+    assert TrainerSpec().micro_batch_tokens == "auto"
+
+
+def test_activation_estimate_counts_widths_vocab_and_not_adapter_factors(model_path):
+    from astratk.models.lora import add_lora
+    from astratk.spec import LoraSpec
+    from astratk.training import activations
+
+    model = Qwen2ForCausalLM.from_pretrained(model_path)
+    # 2 layers x (q 64+64, k 64+32, v 64+32, o 64+64, gate 64+128, up 64+128, down 128+64) + a 64-token vocabulary
+    widths = 2 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert activations.bytes_per_token(model) == int(4 * (1.2 * widths + 3 * 64)) + 1
+    adapted = add_lora(Qwen2ForCausalLM.from_pretrained(model_path), LoraSpec(r=8, alpha=16), "lora")
+    assert activations.bytes_per_token(adapted) == activations.bytes_per_token(model)
+
+
+def test_auto_budget_runs_a_batch_whole_when_it_fits_and_splits_it_when_not(model_path, monkeypatch, capsys):
+    from astratk.training import activations
+
+    batch = make_batch(model_path)
+    per_token = activations.bytes_per_token(Qwen2ForCausalLM.from_pretrained(model_path))
+    seen = {}
+    for room_tokens, expect in ((10_000, 1.0), (BUDGET, 3.0)):  # room for the whole batch / for BUDGET tokens
+        monkeypatch.setattr(activations, "memory_available",
+                            lambda device, n=room_tokens: int(n * per_token / activations.SHARE) + per_token // 2)
+        module = PolicyModule(model_path, DRPO(delta=0.5), horizon=H, share_prompts=False)
+        _, metrics = module._step(batch)
+        seen[room_tokens] = metrics["micro_batches"]
+        assert metrics["micro_batches"] == expect
+        assert f"a step runs whole up to ~{room_tokens:,} tokens" in capsys.readouterr().out  # said once, at start
+        module._step(batch)
+        assert "micro_batch_tokens auto" not in capsys.readouterr().out
+    monkeypatch.setattr(activations, "memory_available", lambda device: None)  # unreadable: whole batches, said so
+    module = PolicyModule(model_path, DRPO(delta=0.5), horizon=H)
+    assert module._step(batch)[1]["micro_batches"] == 1.0
+    assert "cannot be read" in capsys.readouterr().out
+
+
+def test_memory_available_reads_this_machine():
+    from astratk.training.activations import memory_available
+
+    room = memory_available(torch.device("cpu"))
+    assert room is not None and 0 < room < 1 << 50
+    assert memory_available(torch.device("meta")) is None

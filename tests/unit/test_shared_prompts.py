@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from astratk.losses.corrections import TIS
@@ -158,6 +160,57 @@ def test_a_step_with_shared_prompts_is_the_padded_step(model_path, loss_factory,
     assert m1.keys() == m2.keys()
     for key in m1:
         assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_auto_micro_batches_keep_prompt_groups_whole_and_give_the_padded_step(model_path, monkeypatch):
+    from astratk.training import activations
+
+    batch = batch_of(rows_of_groups(), model_path)
+    per_token = activations.bytes_per_token(Qwen2ForCausalLM.from_pretrained(model_path))
+    monkeypatch.setattr(activations, "memory_available",  # room for ~30 tokens of the two passes per micro-batch
+                        lambda device: int(30 * per_token / activations.SHARE) + per_token // 2)
+    padded = PolicyModule(model_path, DRPO(delta=0.2), horizon=8, share_prompts=False, micro_batch_tokens=None)
+    auto = PolicyModule(model_path, DRPO(delta=0.2), horizon=8)
+    (l1, g1, _), (l2, g2, m2) = step(padded, batch), step(auto, batch)
+    assert m2["train/main/micro_batches"] > 1
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-7)
+    for name, g in g1.items():
+        assert (g2[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-8, name
+    plan = prefix.plan(batch.input_ids, batch.attention_mask, batch.loss_mask)
+    chunks = prefix.micro_batches(plan, 30)
+    owners = [set(plan.owner[c].tolist()) for c in chunks]
+    whole = 0
+    for g in set(plan.owner.tolist()):  # a group that fits 30 tokens alone sits in one micro-batch
+        rows = plan.owner == g
+        if int(plan.split[rows][0] + rows.sum() * (plan.lengths - plan.split)[rows].max()) <= 30:
+            assert sum(g in o for o in owners) == 1
+            whole += 1
+    assert whole >= 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=24),
+       st.integers(1, 60))
+def test_group_packing_covers_every_row_once_within_budget(rows, budget):
+    """rows: (group, prompt length k, suffix length); a group's rows share k (they share the prompt)."""
+    k_of = {}
+    owner = [g for g, _, _ in rows]
+    split = [k_of.setdefault(g, k) for g, k, _ in rows]
+    lengths = [k + s for k, (_, _, s) in zip(split, rows, strict=True)]
+    first = sorted({owner.index(g) for g in owner})
+    plan = prefix.PrefixPlan(owner=torch.tensor(owner), split=torch.tensor(split), lengths=torch.tensor(lengths),
+                             first_row=torch.tensor(first), saving=0.0)
+    chunks = [c.tolist() for c in prefix.micro_batches(plan, budget)]
+    assert sorted(i for c in chunks for i in c) == list(range(len(rows)))
+    for c in chunks:
+        assert c == sorted(c)
+        cost = len({owner[i] for i in c}) * max(split[i] for i in c) + len(c) * max(lengths[i] - split[i] for i in c)
+        assert cost <= budget or len(c) == 1
+    for g in set(owner):  # a group that fits the budget alone is never cut
+        members = [i for i in range(len(rows)) if owner[i] == g]
+        alone = split[members[0]] + len(members) * max(lengths[i] - split[i] for i in members)
+        if alone <= budget:
+            assert sum(bool(set(members) & set(c)) for c in chunks) == 1
 
 
 # ----------------------------------------------------------------------------------------------------- fallback
