@@ -44,6 +44,7 @@ from astratk.spec import TinyModelSpec
 
 MAX_HELDOUT = 512  # held-out tasks graded after the warm start
 LOG_EVERY = 50  # steps between loss lines
+LOG_EVERY_S = 30.0  # ... or seconds, whichever comes first
 STOP_WINDOW = 20  # steps whose train exact-match is averaged for the stopping rule (20 x 32 = 640 examples)
 
 
@@ -168,6 +169,7 @@ def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
     losses: list[float] = []
     exact: list[float] = []  # per step: fraction of the (unseen) batch that greedy decoding would reproduce
     step = 0
+    last_log = time.perf_counter()  # a real model's step can take a minute: a line at least every LOG_EVERY_S
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         while step < spec.warm_start_steps:
@@ -184,7 +186,9 @@ def supervised_steps(model, tok, env: Env, spec: TinyModelSpec,
             running = sum(exact[-STOP_WINDOW:]) / len(exact[-STOP_WINDOW:])
             reached = (spec.warm_start_target is not None and len(exact) >= STOP_WINDOW
                        and running >= spec.warm_start_target)
-            if step % LOG_EVERY == 0 or step == spec.warm_start_steps or reached:
+            if (step % LOG_EVERY == 0 or step == spec.warm_start_steps or reached
+                    or time.perf_counter() - last_log >= LOG_EVERY_S):
+                last_log = time.perf_counter()
                 log(f"warm start: step {step}/{spec.warm_start_steps} loss {_mean(losses[-LOG_EVERY:]):.4f} "
                     f"train exact-match {running:.1%}")
             if reached:

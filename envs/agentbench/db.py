@@ -82,6 +82,8 @@ class DatabaseEnv(Env):
     """SQL question answering: one role, `policy`, queries a SQLite database and answers. See the module docstring
     for tasks, the action format and the reward."""
 
+    multi_turn = True  # a warm start's held-out check replays every demonstrated turn (`demonstrations`)
+
     name = "db"
     roles = ("policy",)
 
@@ -198,6 +200,17 @@ class DatabaseEnv(Env):
         if not task.info.get("sql"):
             raise NotImplementedError(f"task {task.task_id} has no gold SQL to demonstrate")
         return f"<sql>{task.info['sql']}</sql>"
+
+    def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
+        """A whole episode to warm-start on: the gold query, then, after its result as the env shows it (the gold
+        query run on the task's database), the gold answer. Both moves are taught: a model shown only the query
+        learns to query and never to answer."""
+        first = self.messages(task)
+        query = self.demonstration(task)
+        result = run_query(self.database_file(task), task.info["sql"], max_rows=self.max_rows,
+                           time_limit_s=self.time_limit_s)
+        seen = [*first, {"role": "assistant", "content": query}, {"role": self.result_role, "content": result.text}]
+        return [(first, query), (seen, "<answer>" + ", ".join(task.info["answer"]) + "</answer>")]
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:

@@ -159,6 +159,30 @@ def test_the_two_policy_recipe_trains_both_lora_policies_on_one_smollm2_base(smo
     assert "no tools" in text and "no tool call" not in text, text
 
 
+def test_the_code_recipe_trains_smollm2_on_sandboxed_tests(smollm2_dir, tmp_path, capsys):
+    """tutorials/code_real_model.yaml at smoke length: SmolLM2 writes functions, the sandbox runs their hidden tests,
+    a step trains (bf16 engine and trainer, as the recipe sets them), and the trainer says its micro-batch budget."""
+    import dataclasses
+    from pathlib import Path
+
+    from astratk.config import load_spec
+    from astratk.runtime.run import Run
+
+    config = Path(__file__).parents[2] / "tutorials" / "code_real_model.yaml"
+    spec = load_spec(config, ["--output_dir", str(tmp_path / "runs"), "--eval.max_tasks", "4", "--eval.interval_s",
+                              "600", "--rollout.group_size", "4", "--rollout.max_new_tokens", "48",
+                              "--rollout.tasks_per_chunk", "2", "--progress", "false"])
+    [p] = spec.policies
+    assert p.trainer.precision == "bf16-mixed" and p.trainer.micro_batch_tokens == "auto"
+    p.trainer = dataclasses.replace(p.trainer, max_steps=1, groups_per_step=1, max_time_s=None)
+    lines: list[str] = []
+    result = Run(spec.validate(), printer=lines.append).start()
+    assert result.summary["main_final_version"] == 1, lines
+    ds = result.metrics()
+    assert float(ds["data_traj_policy_code_tests_total_mean"].max(skipna=True)) > 0  # the sandbox ran the hidden tests
+    assert "micro_batch_tokens auto: ~1.96 MB of activations per token" in capsys.readouterr().out
+
+
 def test_the_openai_endpoint_serves_it_with_its_own_template(smollm2_dir):
     from astratk.engines.torch_engine import TorchEngine
     from astratk.rollout.openai_api import OpenAIEndpoint

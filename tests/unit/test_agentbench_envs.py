@@ -361,6 +361,20 @@ def test_db_winning_play_scores_one_and_masks_query_results(db_env):
     assert wrong == 0.0
 
 
+def test_db_demonstrations_are_the_episode_the_env_plays(db_env):
+    """The warm start's two moves are a winning episode: the gold query, then (after the result exactly as the env
+    shows it, token for token) the gold answer."""
+    from astratk.models.chat import encode_chat
+
+    for task in list(db_env.tasks("heldout"))[:6]:
+        (first, query), (seen, answer) = db_env.demonstrations(task)
+        assert first == db_env.messages(task) and query == db_env.demonstration(task)
+        assert answer.startswith("<answer>") and db_env.grade(task, answer) == 1.0
+        traj, reward, engine = play(db_env, task, [query, answer])
+        assert reward == 1.0 and traj.metrics["queries"] == 1 and traj.metrics["query_errors"] == 0
+        assert list(engine.requests[1].prompt_ids) == encode_chat(TOK, seen)
+
+
 def test_db_turn_limit_binds_and_is_counted(db_env):
     task = next(iter(db_env.tasks("heldout")))
     traj, reward, engine = play(db_env, task, ["thinking...", "<sql>SELECT 1</sql>"])

@@ -215,3 +215,18 @@ def test_encode_chat_renders_each_conversation_once_per_tokenizer_and_template()
     assert encode_chat(tok, messages) != again and len(calls) == 3
     other = build_char_tokenizer()
     assert encode_chat(other, messages) == again
+
+
+def test_a_slow_warm_start_says_where_it_is_at_least_every_log_every_s(monkeypatch):
+    """A real model's warm-start step can take a minute: a line comes every LOG_EVERY_S seconds, not only every
+    LOG_EVERY steps (5 steps here, all below LOG_EVERY)."""
+    tok, env = build_char_tokenizer(), ArithmeticEnv(n_heldout=8)
+    spec = TinyModelSpec(**{**vars(TINY), "warm_start_target": None})
+    lines: list[str] = []
+    monkeypatch.setattr(ws, "LOG_EVERY_S", 0.0)
+    ws.supervised_steps(build_tiny_model(spec, tok), tok, env, spec, log=lines.append)
+    assert [line.split()[3] for line in lines if line.startswith("warm start: step")] == [f"{k}/5" for k in range(1, 6)]
+    lines.clear()
+    monkeypatch.setattr(ws, "LOG_EVERY_S", 3600.0)
+    ws.supervised_steps(build_tiny_model(spec, tok), tok, env, spec, log=lines.append)
+    assert [line.split()[3] for line in lines if line.startswith("warm start: step")] == ["5/5"]
