@@ -147,6 +147,7 @@ class SearchEnv(Env):
 
     name = "search"
     roles = ("policy",)
+    multi_turn = True  # a warm start's held-out check replays every demonstrated turn (`demonstrations`)
 
     def __init__(self, corpus: SyntheticCorpus | JsonlCorpus = DEFAULT_CORPUS, top_k: int = 3,
                  budget: Budget = DEFAULT_BUDGET,
@@ -254,10 +255,22 @@ class SearchEnv(Env):
         return [f"<search>{q}</search>" for q in queries] + [f"<answer>{task.info['answers'][0]}</answer>"]
 
     def demonstration(self, task: Task) -> str:
-        """The scripted episode's turns as one text (search ... then answer), for single-turn warm starts: it teaches
-        the action format and grades 1.0, but as one turn it answers without reading the results; a multi-turn warm
-        start should train on `solution_turns` with the retrieved passages in between (masked)."""
+        """The scripted episode's turns as one text (search ... then answer): it grades 1.0, but as one turn it
+        answers without reading the results; warm starts train on `demonstrations`, turn by turn."""
         return "\n".join(self.solution_turns(task))
+
+    def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
+        """The scripted episode as a multi-turn warm start: each assistant turn after the turns and retrieved
+        passages before it, exactly as an episode shows them (the search runs here), so the model learns to read
+        what it searched before it answers."""
+        messages, out = self.messages(task), []
+        for turn in self.solution_turns(task):
+            out.append((messages, turn))
+            action = parse_action(turn)
+            if action is not None and action[0] == "search":
+                messages = [*messages, {"role": "assistant", "content": turn},
+                            {"role": self.env_role, "content": self.format_passages(self.retrieve(action[1]))}]
+        return out
 
     # ------------------------------------------------------------------------------------------------- rollout
     def _chat_turns(self, tokenizer: Any) -> ChatTurns:

@@ -229,6 +229,22 @@ def test_demonstrations_are_scripted_solutions(env):
         assert env.demonstration(task) == "\n".join(turns) and env.grade(task, env.demonstration(task)) == 1.0
 
 
+def test_multi_turn_demonstrations_are_the_episode_the_env_plays(env):
+    """A warm start's turns: each solution turn after the turns and passages before it, token for token the prompt
+    the scripted episode gives the engine at that turn."""
+    from astratk.models.chat import encode_chat
+
+    assert env.multi_turn
+    for hops in (1, 2, 3):
+        task = next(t for t in env.tasks("heldout") if t.info["hops"] == hops)
+        demos = env.demonstrations(task)
+        assert [text for _, text in demos] == env.solution_turns(task)
+        engine = ScriptedEngine(TOK, [said(t) for t in env.solution_turns(task)])
+        asyncio.run(env.rollout(task, {"policy": engine}, SAMPLING, policy_ids={"policy": "p"}, group_id="g"))
+        assert [list(r.prompt_ids) for r in engine.requests] == [encode_chat(TOK, m) for m, _ in demos]
+        assert all("<information>" in m[-1]["content"] for m, _ in demos[1:])
+
+
 # ----------------------------------------------------------------------------------------------------------- jsonl
 
 
