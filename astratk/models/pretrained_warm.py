@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -48,12 +49,21 @@ from astratk.spec.model import cache_root
 RECIPE_VERSION = 1  # bump when the warm-start recipe changes, so that older caches are not reused
 
 
+def _sample(env: Env, n: int = 2) -> list | None:
+    """The demonstrations of the env's first `n` train tasks: the key then follows what the env teaches, not only
+    its settings (a new astratk that demonstrates whole episodes must not reuse a cache built from first moves)."""
+    try:
+        return [env.demonstrations(task) for task in itertools.islice(env.tasks("train"), n)]
+    except NotImplementedError:
+        return None
+
+
 def warm_key(base: Path, spec: WarmStartSpec, env: Env) -> str:
     """16 hex characters of sha256 over what determines the warm-started weights."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in base.glob("*.safetensors"))
     content = {"recipe": RECIPE_VERSION, "base": str(base.resolve()), "files": files,
                "warm_start": {k: v for k, v in dataclasses.asdict(spec).items() if k != "heldout"},  # weights only
-               "env": plain_config(env)}
+               "env": plain_config(env), "demonstrations": _sample(env)}
     canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -251,3 +251,32 @@ def test_tools_reach_smollm2_and_its_calls_are_parsed_run_and_answered(smollm2_d
     assert f"<tool_response>\n{task_row['answer']}\n</tool_response>" in seen[2]  # add too
     assert traj.metrics["tool_calls"] == 3.0 and traj.metrics["tool_call_errors"] == 0.0
     assert env.score(task, [traj]) == [1.0]
+
+
+@pytest.mark.parametrize("env_name", ["db", "search"])
+def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_name, tmp_path):
+    """The SQL and search envs on SmolLM2's own tokenizer and chat template: an episode that plays the env's
+    demonstrations has its actions parsed and run (the query's rows, the search's passages come back, masked 0), the
+    answer scores 1, and each turn's prompt is token for token the one the warm start trains that turn on."""
+    from astratk.engines import ScriptedEngine
+    from astratk.envs.agentbench.db import DatabaseEnv
+    from astratk.envs.search.corpus import SyntheticCorpus
+    from astratk.envs.search.env import SearchEnv
+    from astratk.models.loading import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    env = (DatabaseEnv(n_heldout=4, max_turns=3, cache_dir=str(tmp_path)) if env_name == "db"
+           else SearchEnv(SyntheticCorpus(max_hops=2, n_heldout=8)))
+    stops = list(stop_token_ids(tok))
+    for task in list(env.tasks("heldout"))[:3]:
+        demos = env.demonstrations(task)
+        turns = [tok(text, add_special_tokens=False)["input_ids"] + stops[:1] for _, text in demos]
+        engine = ScriptedEngine(tok, turns)
+        [traj] = asyncio.run(env.rollout(task, {"policy": engine}, SamplingParams(max_tokens=200),
+                                         policy_ids={"policy": "p"}, group_id="g"))
+        assert env.score(task, [traj]) == [1.0]
+        assert traj.metrics["tool_calls"] == len(demos) - 1 and traj.metrics["answered"] == 1
+        assert [list(r.prompt_ids) for r in engine.requests] == [encode_chat(tok, m) for m, _ in demos]
+        env_text = tok.decode([t for t, m in zip(traj.completion, traj.loss_mask, strict=True) if not m])
+        assert ("<information>" in env_text) if env_name == "search" else all(
+            a in env_text for a in task.info["answer"])

@@ -39,3 +39,15 @@ def test_the_cache_key_follows_what_changes_the_weights(tmp_path):
     assert warm_key(tmp_path, spec, _env(tool_format="template")) != key  # the demonstrations render otherwise
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # other weights
     assert warm_key(tmp_path, spec, env) != key
+
+
+def test_the_cache_key_follows_what_the_env_demonstrates(tmp_path, monkeypatch):
+    """Same settings, other demonstrations (a newer env teaching whole episodes): another warm start."""
+    from astratk.envs.agentbench.db import DatabaseEnv
+
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    spec, env = WarmStartSpec(steps=8), DatabaseEnv(n_heldout=2, cache_dir=str(tmp_path / "db"))
+    key = warm_key(tmp_path, spec, env)
+    assert warm_key(tmp_path, spec, DatabaseEnv(n_heldout=2, cache_dir=str(tmp_path / "db"))) == key
+    monkeypatch.setattr(DatabaseEnv, "demonstrations", lambda self, task: [(self.messages(task), "<sql>x</sql>")])
+    assert warm_key(tmp_path, spec, env) != key
