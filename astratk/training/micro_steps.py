@@ -23,6 +23,12 @@ from astratk.training.sharding import even_micro_batches, max_over_ranks
 class MicroBatchSteps:
     """`PolicyModule`'s step variants; the forwards, loss terms and aggregation they call are its other mixins'."""
 
+    micro_batch_tokens: int | str | None  # set by PolicyModule.__init__, as the next four
+    _auto_tokens: int | None
+    model: torch.nn.Module
+    policy_id: str
+    share_prompts: bool | None
+
     def _step(self, batch: TrainBatch, proximal: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """One update's loss (to back-propagate) and metrics on `batch`, whole or in micro-batches. `proximal`
         [B, T]: the proximal log-probs when the caller computed them before earlier updates (mini-batches)."""
@@ -45,12 +51,13 @@ class MicroBatchSteps:
         (`astratk.training.activations`) and said in one line; a batch whose forward fits it runs whole, a larger one
         is cut into micro-batches of whole prompt groups by the tokens their shared-prompt passes run
         (`astratk.training.prefix.micro_batches`), so each still runs its prompts once."""
-        if self.micro_batch_tokens != "auto":
+        if not isinstance(self.micro_batch_tokens, str):  # an integer, or None: one forward
             return micro_batches(batch, self.micro_batch_tokens)
         if self._auto_tokens is None:
             tokens, line = auto_token_budget(self.model, batch.input_ids.device)
             self._auto_tokens = tokens or 0
-            if self._trainer is None or self.trainer.is_global_zero:
+            lightning = getattr(self, "_trainer", None)  # None: a step run by hand (tests, benches)
+            if lightning is None or lightning.is_global_zero:
                 print(f"trainer {self.policy_id!r}: {line}", flush=True)
         rows, width = batch.input_ids.shape
         plan = None
