@@ -12,7 +12,7 @@ The estimate, in bytes per token of a forward kept for backward:
 the first term covers each layer's inputs and outputs (plus norms and residuals: the 1.2), the second the fp32
 logits, their softmax for the backward, and a scaled copy at the rollout temperature. It is fp32 whatever the
 precision (bf16-mixed keeps fp32 logits and some fp32 activations), so it errs on the side of smaller micro-batches:
-2.05 MB per token for SmolLM2 against 1.70 MB measured (tensor peak) and 1.92 MB (resident-set peak).
+1.96 MB per token for SmolLM2 against 1.70 MB measured (tensor peak) and 1.92 MB (resident-set peak).
 
 The budget: half of what the process may still use at the first step (CPU: the smaller of /proc/meminfo's
 MemAvailable and the cgroup's memory.max minus memory.current; GPU: torch's free device memory plus what its caching
@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from astratk import gpu
 
 __all__ = ["BYTES_PER_FLOAT", "auto_token_budget", "bytes_per_token", "memory_available"]
 
@@ -47,9 +49,11 @@ def bytes_per_token(model: torch.nn.Module) -> int:
 def memory_available(device: torch.device) -> int | None:
     """Bytes this process may still allocate on `device`; None when it cannot be read."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        spare = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free + max(spare, 0))
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        room = free + max(torch.cuda.memory_reserved(device) - allocated, 0)
+        share = gpu.process_share(device)  # trainer.gpu_memory_fraction and engines beside it: the allocator's cap
+        return int(min(room, share * total - allocated) if share else room)
     if device.type != "cpu":
         return None
     figures = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]

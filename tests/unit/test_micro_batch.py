@@ -310,3 +310,20 @@ def test_memory_available_reads_this_machine():
     room = memory_available(torch.device("cpu"))
     assert room is not None and 0 < room < 1 << 50
     assert memory_available(torch.device("meta")) is None
+
+
+def test_memory_available_on_a_gpu_keeps_within_the_process_share(monkeypatch):
+    """On a GPU: the device's free memory plus what the caching allocator holds unused, capped by this process's
+    share (`trainer.gpu_memory_fraction`), measured against what it already allocated. Faked: no GPU here."""
+    from astratk import gpu
+    from astratk.training import activations
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 14 * gib)
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(gpu, "process_share", lambda device: 0.0)
+    assert activations.memory_available(device) == 34 * gib  # 30 free + 4 reserved, unused
+    monkeypatch.setattr(gpu, "process_share", lambda device: 0.25)
+    assert activations.memory_available(device) == 10 * gib  # a quarter of 80 is 20, 10 of it already allocated
