@@ -60,11 +60,12 @@ class MicroBatchSteps:
             if lightning is None or lightning.is_global_zero:
                 print(f"trainer {self.policy_id!r}: {line}", flush=True)
         rows, width = batch.input_ids.shape
+        if not self._auto_tokens or rows * width <= self._auto_tokens:  # fits even padded: no plan to work out
+            return [torch.arange(rows)]
         plan = None
         if self.share_prompts is not False:
             plan = prefix_plan(batch.input_ids, batch.attention_mask, batch.loss_mask)
-        whole = rows * width if plan is None else round((1.0 - plan.saving) * rows * width)
-        if not self._auto_tokens or whole <= self._auto_tokens:
+        if plan is not None and round((1.0 - plan.saving) * rows * width) <= self._auto_tokens:
             return [torch.arange(rows)]
         return micro_batches(batch, self._auto_tokens) if plan is None else shared_micro_batches(plan,
                                                                                                  self._auto_tokens)
@@ -207,4 +208,3 @@ def _detached(fwd: PolicyForward) -> PolicyForward:
 def _outputs(fwd: PolicyForward) -> list[torch.Tensor]:
     """The forward's outputs the loss can depend on (log π, entropy, top-K log π), in a fixed order."""
     return [t for t in (fwd.logprobs, fwd.entropy, fwd.topk_logprobs) if t is not None]
-

@@ -82,10 +82,9 @@ class DatabaseEnv(Env):
     """SQL question answering: one role, `policy`, queries a SQLite database and answers. See the module docstring
     for tasks, the action format and the reward."""
 
-    multi_turn = True  # a warm start's held-out check replays every demonstrated turn (`demonstrations`)
-
     name = "db"
     roles = ("policy",)
+    multi_turn = True  # a warm start's held-out check replays every demonstrated turn (`demonstrations`)
 
     def __init__(self, n_heldout: int = 64, seed: int = 1234, questions_per_db: int = 3, tasks_file: str | None = None,
                  heldout_file: str | None = None, max_turns: int = 5, max_rows: int = 20, time_limit_s: float = 1.0,
