@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.models.tools import prepare_messages, resolve_tool_format
+from astratk.models.tools import convert_turns, prepare_messages, resolve_tool_format
 
 __all__ = ["ChatTurns", "ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
 
@@ -150,12 +150,19 @@ class ChatTurns:
     For a template that renders `... <assistant content><close>` and then `<open role>content<close>` and the
     generation prompt, `close` is what follows the content (e.g. "<|im_end|>\\n") and `continuation(role, content)`
     is the rest: the part of `close` the model did not produce, the new message, and the next generation prompt.
+
+    Tool results (`role: tool`) are written as `encode_chat` writes them, so an episode's turns and the warm start's
+    demonstrations give the model the same tokens: under `tool_format` `hermes` (what `auto` picks for a template
+    without a tool section, e.g. SmolLM2's) they become a user message of `<tool_response>` blocks; under `template`
+    the template renders the role itself.
     """
 
     _PROBE = "\x07astratk-probe\x07"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_format: str = "auto") -> None:
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
+        self._results_as_text: bool | None = None
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
         rendered = tokenizer.apply_chat_template(base, tokenize=False)
         at = rendered.rfind(self._PROBE)
@@ -180,6 +187,12 @@ class ChatTurns:
             self._cache[role] = (rest[:i], rest[i + len(probe):])
         return self._cache[role]
 
+    def _tool_results_as_text(self) -> bool:
+        """Whether tool results are written in the hermes format (resolved once, on first use)."""
+        if self._results_as_text is None:
+            self._results_as_text = resolve_tool_format(self.tokenizer, self.tool_format) == "hermes"
+        return self._results_as_text
+
     def frame_tokens(self, role: str, produced_close: str, encode: Any) -> list[int]:
         """Token ids of an empty message's continuation (cached): the overhead a message adds around its content."""
         key = ("frame", role, produced_close)
@@ -190,6 +203,9 @@ class ChatTurns:
     def continuation(self, role: str, content: str, produced_close: str) -> str:
         """Text to append after an assistant completion whose text ended with `produced_close` (the part of
         `close` the model emitted, e.g. its stop token "<|im_end|>"; "" if it was cut off)."""
+        if role == "tool" and self._tool_results_as_text():
+            (message,) = convert_turns([{"role": role, "content": content}])
+            role, content = message["role"], message["content"]
         if not self.close.startswith(produced_close):
             produced_close = ""
         before, after = self._frame(role)
@@ -197,6 +213,8 @@ class ChatTurns:
 
     def continuation_of(self, messages: Sequence[Mapping[str, str]], produced_close: str) -> str:
         """`continuation` for several messages in a row, rendered together by the template (which may merge them)."""
+        if any(m["role"] == "tool" for m in messages) and self._tool_results_as_text():
+            messages = convert_turns([{"role": m["role"], "content": m["content"]} for m in messages])
         if len(messages) == 1:
             return self.continuation(messages[0]["role"], messages[0]["content"], produced_close)
         for m in messages:

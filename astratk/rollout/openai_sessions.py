@@ -172,7 +172,7 @@ class SessionCapture:
     def _chat_turns(self, tok: Any) -> Any:
         entry = self._turns_api.get(id(tok))
         if entry is None or entry[0] is not tok:
-            entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok))
+            entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok, tool_format="template"))  # converts itself
         return entry[1]
 
     def tool_format_of(self, sess: Session, tok: Any) -> str:

@@ -253,7 +253,7 @@ def test_tools_reach_smollm2_and_its_calls_are_parsed_run_and_answered(smollm2_d
     assert env.score(task, [traj]) == [1.0]
 
 
-@pytest.mark.parametrize("env_name", ["db", "search"])
+@pytest.mark.parametrize("env_name", ["db", "search", "db-tool-role"])
 def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_name, tmp_path):
     """The SQL and search envs on SmolLM2's own tokenizer and chat template: an episode that plays the env's
     demonstrations has its actions parsed and run (the query's rows, the search's passages come back, masked 0), the
@@ -266,7 +266,8 @@ def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_
 
     tok = load_tokenizer(smollm2_dir)
     env = (DatabaseEnv(n_heldout=4, max_turns=3, cache_dir=str(tmp_path)) if env_name == "db"
-           else SearchEnv(SyntheticCorpus(max_hops=2, n_heldout=8)))
+           else DatabaseEnv(n_heldout=4, max_turns=3, cache_dir=str(tmp_path), result_role="tool")
+           if env_name == "db-tool-role" else SearchEnv(SyntheticCorpus(max_hops=2, n_heldout=8)))
     stops = list(stop_token_ids(tok))
     for task in list(env.tasks("heldout"))[:3]:
         demos = env.demonstrations(task)
@@ -280,3 +281,5 @@ def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_
         env_text = tok.decode([t for t, m in zip(traj.completion, traj.loss_mask, strict=True) if not m])
         assert ("<information>" in env_text) if env_name == "search" else all(
             a in env_text for a in task.info["answer"])
+        if env_name == "db-tool-role":  # SmolLM2's template has no tool section: results as hermes writes them
+            assert "<tool_response>" in env_text and "<|im_start|>tool" not in env_text

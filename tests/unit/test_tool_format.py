@@ -78,6 +78,27 @@ def test_calls_and_results_are_written_back_as_text():
     assert all("tool_calls" not in m and "tool_call_id" not in m for m in out)
 
 
+@pytest.mark.parametrize("fmt", ["auto", "template"])
+def test_an_episodes_tool_results_are_the_tokens_the_warm_start_trains_on(plain_tok, fmt):
+    """A multi-turn env appends tool results turn by turn (`ChatTurns`) while the warm start renders whole
+    conversations (`encode_chat`); both write them the same way: as a hermes user message of `<tool_response>`
+    blocks on a template without a tool section, as the template's own role when forced."""
+    from astratk.models.chat import ChatTurns
+
+    turns = ChatTurns(plain_tok, tool_format=fmt)
+    head = [*ASK, {"role": "assistant", "content": '<tool_call>{"name": "weather"}</tool_call>'}]
+    before = plain_tok.apply_chat_template(head, tokenize=False)
+    before = before[:len(before) - len(turns.close)]  # up to the end of the assistant's content
+    for results in ([{"role": "tool", "content": "rain"}],
+                    [{"role": "tool", "content": "rain"}, {"role": "tool", "content": "sun"}]):
+        whole = plain_tok.decode(encode_chat(plain_tok, head + results, tool_format=fmt))
+        stepped = before + (turns.continuation("tool", "rain", "") if len(results) == 1
+                            else turns.continuation_of(results, ""))
+        assert stepped == whole
+        assert ("<tool_response>\nrain\n</tool_response>" in stepped) == (fmt == "auto")
+        assert ("<|im_start|>tool" in stepped) == (fmt == "template")
+
+
 def test_unparseable_calls_are_errors_not_text():
     good, bad, unclosed = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call> '
                                            '<tool_call>{"name": </tool_call> <tool_call>{"name": "b", "argu')
