@@ -208,11 +208,12 @@ def heldout_accuracy(model, tok, env: Env, max_tasks: int = MAX_HELDOUT, batch: 
     """Greedy accuracy over the first `max_tasks` held-out tasks: (accuracy, finished fraction, n graded).
     `max_new_tokens`: the token budget (None: the longest demonstration + 3, for models that answer tersely; a
     pretrained chat model that answers in sentences needs the run's `rollout.max_new_tokens`)."""
-    _require(env, "demonstration", "messages", "grade")
+    multi_turn = getattr(env, "multi_turn", False)  # replays demonstrated turns: no single reply to grade
+    _require(env, "demonstration", "messages", *(() if multi_turn else ("grade",)))
     tasks = list(itertools.islice(env.tasks("heldout"), max_tasks))
     if not tasks:
         raise ValueError(f"env {env.name!r} has no held-out tasks to measure the warm start on")
-    if getattr(env, "multi_turn", False):  # an agent: each turn of its demonstrations, from the turns before it
+    if multi_turn:  # an agent: each turn of its demonstrations, from the turns before it
         return _turns_accuracy(model, tok, env, tasks, batch)
     stops = list(stop_token_ids(tok))
     # Room for the longest reference answer, its <|im_end|>, and a little slack for wrong, longer answers.

@@ -19,7 +19,6 @@ checks `scan_games` runs at construction.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -28,13 +27,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-# PDDL games are not thread-safe: loading one runs fast-downward's translator, which swaps sys.stdout, overwrites
-# sys.argv and keeps its options in module globals, and every reset and step derives text with TextWorld's
-# module-level TatSu parser (concurrent steps fail with "IndexError: pop from empty list"). So one PDDL call at a time,
-# argv restored. Each TextWorld PddlEnv loads a private copy of the 33 MB planner library that is never unloaded
-# (unloading copies crashes at exit), so idle PddlEnvs are kept here and reused: as many libraries as games open at
-# once, instead of one per episode.
-_PDDL_LOCK = threading.Lock()
+# TextWorld is not thread-safe: loading a game's .json, and every reset and step that derives text or tracks the
+# game's state, goes through TextWorld's module-level TatSu parser (measured: 16 .z8 games opened at once from
+# threads all failed, with "IndexError: pop from empty list", "'PlaceholderNode' object is not iterable" and
+# RecursionError), and loading a PDDL game runs fast-downward's translator, which swaps sys.stdout, overwrites
+# sys.argv and keeps its options in module globals. So one TextWorld call at a time per process (a call takes
+# milliseconds; an episode's model turns run outside it), argv restored. Re-entrant: generating a game reads it back.
+# Each TextWorld PddlEnv loads a private copy of the 33 MB planner library that is never unloaded (unloading copies
+# crashes at exit), so idle PddlEnvs are kept here and reused: as many libraries as games open at once, instead of
+# one per episode.
+_TEXTWORLD_LOCK = threading.RLock()
 _PDDL_IDLE: list[Any] = []
 
 
@@ -74,7 +76,7 @@ class LiveGame:
                             policy_commands=walkthrough, admissible_commands=list_commands)
         self.list_commands = list_commands
         self._env, state = _start(Path(game_file), infos)
-        self._lock = _PDDL_LOCK if getattr(self._env, "downward_lib", None) is not None else contextlib.nullcontext()
+        self._lock = _TEXTWORLD_LOCK
         self.objective = str(state.objective or "")
         self.walkthrough = list(state.policy_commands or []) if walkthrough else []
         self.max_score = float(state.max_score or 0)
@@ -99,11 +101,11 @@ class LiveGame:
         env, self._env = self._env, None
         if env is None:
             return
-        if getattr(env, "downward_lib", None) is not None:  # a PddlEnv: back to the pool (see _PDDL_IDLE)
-            with _PDDL_LOCK:
+        with _TEXTWORLD_LOCK:
+            if getattr(env, "downward_lib", None) is not None:  # a PddlEnv: back to the pool (see _PDDL_IDLE)
                 _PDDL_IDLE.append(env)
-        else:
-            env.close()
+            else:
+                env.close()
 
 
 def _start(path: Path, infos: Any) -> tuple[Any, Any]:
@@ -115,12 +117,13 @@ def _start(path: Path, infos: Any) -> tuple[Any, Any]:
     try:
         if path.suffix == ".tw-pddl":
             return _start_pddl(path, infos)
-        env = import_textworld().start(str(path), infos)
-        try:
-            return env, env.reset()
-        except BaseException:
-            env.close()
-            raise
+        with _TEXTWORLD_LOCK:
+            env = import_textworld().start(str(path), infos)
+            try:
+                return env, env.reset()
+            except BaseException:
+                env.close()
+                raise
     except (Exception, SystemExit) as e:  # SystemExit: fast-downward's translator exits on a bad PDDL problem
         where = "" if path.suffix == ".tw-pddl" else f" (and its {path.with_suffix('.json').name})"
         raise ValueError(f"{path}: TextWorld cannot load this game{where}: {type(e).__name__}: {e}") from e
@@ -129,7 +132,7 @@ def _start(path: Path, infos: Any) -> tuple[Any, Any]:
 def _start_pddl(path: Path, infos: Any) -> tuple[Any, Any]:
     from textworld.envs.pddl import PddlEnv
 
-    with _PDDL_LOCK:
+    with _TEXTWORLD_LOCK:
         env = _PDDL_IDLE.pop() if _PDDL_IDLE else PddlEnv(infos)
         env.request_infos = infos
         argv = sys.argv

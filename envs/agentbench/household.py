@@ -64,14 +64,19 @@ import random
 import re
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.envs.agentbench.games import LiveGame, check_story_file, import_textworld, require_pddl
+from astratk.envs.agentbench.games import (
+    _TEXTWORLD_LOCK,
+    LiveGame,
+    check_story_file,
+    import_textworld,
+    require_pddl,
+)
 from astratk.envs.multiturn import Budget, Conversation, parse_tags
 from astratk.records import Task, Trajectory
 
@@ -85,9 +90,10 @@ INSTRUCTIONS = ("You are in a text-based household game. Reach the goal by typin
                 "exactly one command per turn inside <action>...</action>. You have {max_turns} turns.")
 FORMAT_HINT = "No command found. Reply with one command inside <action>...</action>, e.g. <action>look</action>."
 
-# TextWorld's generator keeps module-level state (knowledge base, grammar caches): one generation at a time per
-# process. Across processes the temporary-directory-and-rename protocol keeps the cache whole.
-_GENERATION_LOCK = threading.Lock()
+# TextWorld's generator keeps module-level state (knowledge base, grammar caches) and shares TextWorld's parser with
+# the games being played: one TextWorld call at a time per process (`games._TEXTWORLD_LOCK`). Across processes the
+# temporary-directory-and-rename protocol keeps the cache whole.
+_GENERATION_LOCK = _TEXTWORLD_LOCK
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -199,6 +205,7 @@ class HouseholdEnv(Env):
 
     name = "household"
     roles = ("policy",)
+    multi_turn = True  # a warm start's held-out check replays every demonstrated turn (`demonstrations`)
 
     def __init__(self, n_train: int = 64, n_heldout: int = 16, seed: int = 1234, nb_rooms: int = 3,
                  nb_objects: int = 6, quest_length: int = 3, games_dir: str | None = None,
@@ -314,6 +321,28 @@ class HouseholdEnv(Env):
         if not task.info.get("walkthrough"):
             raise NotImplementedError(f"task {task.task_id} has no walkthrough to demonstrate")
         return f"<action>{task.info['walkthrough'][0]}</action>"
+
+    def demonstrations(self, task: Task) -> list[tuple[list[dict[str, str]], str]]:
+        """The walkthrough played as a whole episode, for a warm start: each command as the reply to the
+        conversation before it, and the game's feedback to it (played here, in a live game) as the next user
+        message, as `rollout` writes it. At most `max_turns` commands; nothing follows the last one."""
+        walkthrough = list(task.info.get("walkthrough") or [])[: self.max_turns]
+        if not walkthrough:
+            raise NotImplementedError(f"task {task.task_id} has no walkthrough to demonstrate")
+        game = LiveGame(self.game_file(task), list_commands=self.list_commands)
+        try:
+            messages, out = self._opening(task, game.observation), []
+            for i, command in enumerate(walkthrough):
+                reply = f"<action>{command}</action>"
+                out.append((list(messages), reply))
+                feedback = game.step(command)
+                if game.done:
+                    break
+                if i + 1 < len(walkthrough):
+                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+        finally:
+            game.close()
+        return out
 
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:

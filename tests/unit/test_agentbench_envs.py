@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 import sqlite3
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -132,6 +133,63 @@ def test_household_winning_play_scores_one_and_masks_the_game(household):
     assert "<action>" not in runs[1][1] and runs[1][1].startswith("\n<|im_start|>user\n")
     assert env.messages(task)[0]["content"] in TOK.decode(list(traj.tokens[:traj.n_prompt]))
     assert env.score(task, [dataclasses.replace(traj, metrics={})]) == [None]  # the outcome lives in metrics
+
+
+@needs_textworld
+def test_household_demonstrations_are_the_episode_the_env_plays(household):
+    """A warm start's household demonstration is the walkthrough played as an episode: each command from the
+    conversation before it (the game's feedback, token for token as the env shows it), and it wins."""
+    from astratk.envs.agentbench.household import HouseholdEnv
+    from astratk.models.chat import encode_chat
+
+    env, heldout, train, _ = household
+    for task in [heldout[0], train[0]]:
+        demos = env.demonstrations(task)
+        walkthrough = task.info["walkthrough"]
+        assert [reply for _, reply in demos] == [f"<action>{c}</action>" for c in walkthrough]
+        assert demos[0][0] == env.messages(task) and demos[0][1] == env.demonstration(task)
+        _, reward, engine = play(env, task, [reply for _, reply in demos])
+        assert reward == 1.0 and len(engine.requests) == len(demos)
+        assert [list(r.prompt_ids) for r in engine.requests] == [encode_chat(TOK, m) for m, _ in demos]
+    short = HouseholdEnv(n_train=1, n_heldout=1, seed=3, nb_rooms=2, nb_objects=2, quest_length=2, max_turns=1,
+                         cache_dir=env.cache_dir)
+    assert len(short.demonstrations(heldout[0])) == 1  # no more commands than the episode has turns
+    bare = dataclasses.replace(heldout[0], info={**heldout[0].info, "walkthrough": []})
+    with pytest.raises(NotImplementedError, match="no walkthrough"):
+        env.demonstrations(bare)
+
+
+@needs_textworld
+def test_household_games_played_at_once_from_threads_all_win(household):
+    """A rollout worker plays a chunk's episodes at once, each game in its own thread. TextWorld's parser is shared
+    module state: unguarded, in a fresh process, 12 threads opening 2 games all failed to load ("pop from empty
+    list", RecursionError); astratk serialises TextWorld's calls. A fresh process, because a game loaded once before
+    no longer races."""
+    env, heldout, train, _ = household
+    files = [str(env.game_file(t)) for t in (heldout[0], train[0])]
+    walkthroughs = [t.info["walkthrough"] for t in (heldout[0], train[0])]
+    script = f"""
+import threading
+from astratk.envs.agentbench.games import LiveGame
+errors = []
+def play(path, commands):
+    try:
+        game = LiveGame(path)
+        for command in commands:
+            game.step(command)
+        assert game.won, path
+        game.close()
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=play, args=a) for a in {list(zip(files, walkthroughs, strict=True))!r} * 6]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(timeout=120)
+print(len(threads), "games,", len(errors), "errors:", errors[:2])
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "12 games, 0 errors" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
 @needs_textworld
