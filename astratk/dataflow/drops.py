@@ -17,6 +17,8 @@ from astratk.records import Drop
 # task ids kept per kind of drop: enough to find the offending tasks, bounded in a long run
 TASK_IDS_KEPT = 20
 
+NO_ROLLOUT = "no rollout of this policy arrived meanwhile"  # a starved trainer's reason (the driver may add why)
+
 
 class DropLedger:
     """Example:
@@ -97,7 +99,7 @@ def starvation_reason(policy_id: str, step: int, waited: float, before: tuple[di
     if received <= 0:
         what = task_part or (f"are rollout workers running for label rollout_{policy_id}? (no task was dropped: "
                              "check the workers' logs)")
-        return f"{head}: no rollout of this policy arrived meanwhile; {what}"
+        return f"{head}: {NO_ROLLOUT}; {what}"
     dropped = "; ".join(f"{n:.0f} as {REASON_WORDS.get(reason, reason)}" for reason, n in groups.items())
     if admitted <= 0 and dropped:
         lead = (f"all {received:.0f} groups rolled out since were dropped as "

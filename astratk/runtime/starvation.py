@@ -23,6 +23,8 @@ from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading, Signal
 NO_ROLLOUT_S = 60.0  # a wait this long with no rollout at all is said; shorter ones are engines starting
 TOO_LONG_CHUNKS = 2  # a run whose first this-many chunks per rollout worker were all too long stops
 
+EVALUATING = "the rollout workers are evaluating"  # the starvation line's words when evaluations hold them
+
 
 def nothing_to_train(spec: Any, metrics: dict[str, float]) -> str | None:
     """The line that ends a run which cannot train anything, or None: every task completed so far was dropped before
@@ -139,8 +141,10 @@ class StarvationMonitor:
                 return None
             evaluating = self.busy()
             line = (f"[starving] policy {pid!r}: its trainer has waited {waited:.0f}s for a batch and no rollout "
-                    + (f"arrived meanwhile: the rollout workers are evaluating ({evaluating}); evaluations share them "
-                       "with rollouts, so fewer eval.max_tasks or a longer eval.interval_s lets training start sooner"
+                    + (f"arrived meanwhile: {EVALUATING} ({evaluating}); evaluations share them with rollouts, so "
+                       + ("rollout.concurrent_chunks: 2 (an evaluation beside a rollout chunk), " if
+                          self.spec.rollout.concurrent_chunks < 2 else "")
+                       + "fewer eval.max_tasks or a longer eval.interval_s lets training start sooner"
                        if evaluating else
                        "arrived meanwhile: are the rollout workers alive? (a large model's engine can take minutes to "
                        "load, and evaluations run on the same workers; the workers' log says more)"))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from astratk.dataflow.drops import NO_ROLLOUT
 from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading
+from astratk.runtime.starvation import EVALUATING
 from astratk.spec import RunSpec
 
 # The quickstart's promise: +15 held-out accuracy points; time-to-target is measured against it.
@@ -113,7 +116,7 @@ class WrapUp:
             "data_wait_s": head["data_wait_s"],
             "data_wait_fraction": head["data_wait_s"] / max(train_time, 1e-9),
             "n_heldout": int(base["n"]),
-            **_stop_summary(self.spec, results),
+            **_stop_summary(self.spec, results, self.starvation.warnings if self.starvation else []),
             "starvation": [w["line"] for w in self.starvation.warnings[-10:]] if self.starvation else [],
         }
         agent = {p.policy_id: a for p in self.spec.policies if (a := self._agent_summary(p.policy_id)) is not None}
@@ -148,12 +151,22 @@ class WrapUp:
                 f"{pid}_data_wait_s": result["data_wait_s"]}
 
 
-def _stop_summary(spec: RunSpec, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _stop_summary(spec: RunSpec, results: dict[str, dict[str, Any]],
+                  warnings: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """`stopped_early` (whether a trainer ended before its last step for a reason other than its
     time limit or a stop asked for), `stop_reason` (why, in words; the first policy's that has one)
-    and `skipped_steps` (optimiser steps the divergence guard skipped, over every policy)."""
-    reasons = [results[p.policy_id].get("stop_reason") for p in spec.policies if p.policy_id in results]
-    reason = next((r for r in reasons if r), None)
+    and `skipped_steps` (optimiser steps the divergence guard skipped, over every policy).
+
+    A trainer sees only that no rollout arrived; where the driver's starvation monitor saw the rollout workers
+    held by a held-out evaluation meanwhile (its last line for that policy says so), the reason says that instead
+    of asking whether the workers are alive."""
+    reasons = {p.policy_id: results[p.policy_id].get("stop_reason") for p in spec.policies if p.policy_id in results}
+    pid, reason = next(((k, r) for k, r in reasons.items() if r), (None, None))
+    if reason and NO_ROLLOUT in reason:
+        last = next((w["line"] for w in reversed(warnings) if w.get("policy") == pid), "")
+        if EVALUATING in last:
+            reason = reason.split(NO_ROLLOUT)[0] + NO_ROLLOUT + "; the rollout workers were evaluating" + last.split(
+                EVALUATING, 1)[1]
     skipped = sum(int(res["rows"][-1].get(f"train/{pid}/skipped_steps", 0)) for pid, res in results.items()
                   if res["rows"])
     return {"stopped_early": reason is not None, "stop_reason": reason, "skipped_steps": skipped}

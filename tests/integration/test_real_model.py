@@ -253,11 +253,15 @@ def test_tools_reach_smollm2_and_its_calls_are_parsed_run_and_answered(smollm2_d
     assert env.score(task, [traj]) == [1.0]
 
 
-@pytest.mark.parametrize("env_name", ["db", "search", "db-tool-role"])
+@pytest.mark.parametrize("env_name", ["db", "search", "db-tool-role", "household"])
 def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_name, tmp_path):
-    """The SQL and search envs on SmolLM2's own tokenizer and chat template: an episode that plays the env's
-    demonstrations has its actions parsed and run (the query's rows, the search's passages come back, masked 0), the
-    answer scores 1, and each turn's prompt is token for token the one the warm start trains that turn on."""
+    """The SQL, search and household envs on SmolLM2's own tokenizer and chat template: an episode that plays the
+    env's demonstrations has its actions parsed and run (the query's rows, the search's passages, the game's
+    feedback come back, masked 0), it scores 1, and each turn's prompt is token for token the one the warm start
+    trains that turn on."""
+    if env_name == "household":
+        pytest.importorskip("textworld", reason="the household env needs textworld (astratk[agentbench])")
+        from astratk.envs.agentbench.household import HouseholdEnv
     from astratk.engines import ScriptedEngine
     from astratk.envs.agentbench.db import DatabaseEnv
     from astratk.envs.search.corpus import SyntheticCorpus
@@ -267,7 +271,9 @@ def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_
     tok = load_tokenizer(smollm2_dir)
     env = (DatabaseEnv(n_heldout=4, max_turns=3, cache_dir=str(tmp_path)) if env_name == "db"
            else DatabaseEnv(n_heldout=4, max_turns=3, cache_dir=str(tmp_path), result_role="tool")
-           if env_name == "db-tool-role" else SearchEnv(SyntheticCorpus(max_hops=2, n_heldout=8)))
+           if env_name == "db-tool-role" else SearchEnv(SyntheticCorpus(max_hops=2, n_heldout=8))
+           if env_name == "search" else HouseholdEnv(n_train=1, n_heldout=2, seed=3, nb_rooms=2, nb_objects=2,
+                                                     quest_length=2, max_turns=4, cache_dir=str(tmp_path)))
     stops = list(stop_token_ids(tok))
     for task in list(env.tasks("heldout"))[:3]:
         demos = env.demonstrations(task)
@@ -276,9 +282,13 @@ def test_the_envs_tool_protocols_run_on_smollm2s_chat_template(smollm2_dir, env_
         [traj] = asyncio.run(env.rollout(task, {"policy": engine}, SamplingParams(max_tokens=200),
                                          policy_ids={"policy": "p"}, group_id="g"))
         assert env.score(task, [traj]) == [1.0]
-        assert traj.metrics["tool_calls"] == len(demos) - 1 and traj.metrics["answered"] == 1
         assert [list(r.prompt_ids) for r in engine.requests] == [encode_chat(tok, m) for m, _ in demos]
         env_text = tok.decode([t for t, m in zip(traj.completion, traj.loss_mask, strict=True) if not m])
+        if env_name == "household":  # every command is run, the winning one too; the feedback to the others shown
+            assert traj.metrics["tool_calls"] == len(demos) and traj.metrics["won"] == 1
+            assert all(m[-1]["content"] in env_text for m, _ in demos[1:])
+            continue
+        assert traj.metrics["tool_calls"] == len(demos) - 1 and traj.metrics["answered"] == 1
         assert ("<information>" in env_text) if env_name == "search" else all(
             a in env_text for a in task.info["answer"])
         if env_name == "db-tool-role":  # SmolLM2's template has no tool section: results as hermes writes them

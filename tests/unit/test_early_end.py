@@ -18,6 +18,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from astratk.contracts import GenerationRequest, LossOutputs, PolicyLoss, PromptTooLong, SamplingParams
 from astratk.dataflow.client import DataLayerClient
 from astratk.dataflow.datalayer import DataLayer
+from astratk.dataflow.drops import starvation_reason
 from astratk.engines import ScriptedEngine, TorchEngine
 from astratk.envs.math.arithmetic import ArithmeticEnv
 from astratk.envs.multiturn import Budget, Conversation
@@ -249,6 +250,22 @@ def test_the_summary_says_whether_a_run_stopped_early_and_why():
     assert _stop_summary(spec, {"main": {"rows": rows, "stop_reason": None}}) == {
         "stopped_early": False, "stop_reason": None, "skipped_steps": 2}
     assert _stop_summary(spec, {"main": {"rows": [], "stop_reason": "starved"}})["stop_reason"] == "starved"
+    # A trainer that saw no rollout asks whether the workers are alive; where the driver saw an evaluation holding
+    # them meanwhile, the reason says so instead.
+    starved = starvation_reason("main", 0, 300.0, ({}, []), ({}, []))
+    assert "are rollout workers running" in starved
+    line = ("[starving] policy 'main': its trainer has waited 241s for a batch and no rollout arrived meanwhile: the "
+            "rollout workers are evaluating (main v0 for 190s on 32 held-out tasks); evaluations share them with "
+            "rollouts, so rollout.concurrent_chunks: 2 (an evaluation beside a rollout chunk), fewer eval.max_tasks "
+            "or a longer eval.interval_s lets training start sooner")
+    warnings = [{"policy": "other", "line": "x"}, {"policy": "main", "line": line}]
+    reason = _stop_summary(spec, {"main": {"rows": [], "stop_reason": starved}}, warnings)["stop_reason"]
+    assert reason == ("policy 'main' got no batch for step 0 in 300s: no rollout of this policy arrived meanwhile; "
+                      "the rollout workers were evaluating (main v0 for 190s on 32 held-out tasks); evaluations share "
+                      "them with rollouts, so rollout.concurrent_chunks: 2 (an evaluation beside a rollout chunk), "
+                      "fewer eval.max_tasks or a longer eval.interval_s lets training start sooner")
+    alive = [{"policy": "main", "line": "[starving] ... are the rollout workers alive? ..."}]
+    assert _stop_summary(spec, {"main": {"rows": [], "stop_reason": starved}}, alive)["stop_reason"] == starved
 
 
 # ------------------------------------------------------------------------------------------ prompts too long

@@ -183,6 +183,7 @@ def test_no_rollout_while_the_workers_evaluate_is_said_as_such():
     [line] = mon.check(61.0)
     assert "the rollout workers are evaluating (main v0 for 230s on 64 held-out tasks)" in line
     assert "fewer eval.max_tasks" in line and "alive?" not in line
+    assert "rollout.concurrent_chunks: 2" in line  # the key that runs an evaluation beside a chunk (default 1)
     busy["now"] = None
     [line] = mon.check(122.0)
     assert "are the rollout workers alive?" in line
