@@ -23,6 +23,11 @@ TARGET_GAIN = 0.15
 class WrapUp:
     """`Session`'s wrap-up; the attributes it reads are set by `Session.__init__`, its set-up and its run loop."""
 
+    def _starvation_warnings(self) -> list[dict[str, Any]]:
+        """The starvation monitor's lines (`Session` sets `starvation` once the run loop starts)."""
+        starvation = getattr(self, "starvation", None)
+        return list(starvation.warnings) if starvation is not None else []
+
     def _first_evaluation(self, future: Any, version: int) -> dict[str, float]:
         """The first version's evaluation, waited for once training is over (eval.timeout_s at most); a failed one is
         recorded with accuracy NaN, so that the run still writes what it gathered."""
@@ -116,7 +121,7 @@ class WrapUp:
             "data_wait_s": head["data_wait_s"],
             "data_wait_fraction": head["data_wait_s"] / max(train_time, 1e-9),
             "n_heldout": int(base["n"]),
-            **_stop_summary(self.spec, results, self.starvation.warnings if self.starvation else []),
+            **_stop_summary(self.spec, results, self._starvation_warnings()),
             "starvation": [w["line"] for w in self.starvation.warnings[-10:]] if self.starvation else [],
         }
         agent = {p.policy_id: a for p in self.spec.policies if (a := self._agent_summary(p.policy_id)) is not None}
