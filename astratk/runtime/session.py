@@ -150,6 +150,9 @@ class Session(Drive, WrapUp, LiveMetrics):
         linear = cpu.linear_backend()
         speed = cpu.onednn_speedup() if self.spec.cluster.cpu_linear == "auto" else None
         self._linear_line = f"Linear layers: {linear}" + (f" ({speed:.1f}x torch's BLAS here)" if speed else "")
+        bf16 = cpu.bf16_warning(self.spec)
+        if bf16 is not None:
+            self.print(bf16)
         if not self._plan_per_host():  # else said once the cluster's workers are known (`_place_cpu_on_cluster`)
             self.print(f"CPU: torch threads trainer {plan.trainer}, each rollout worker {plan.rollout} "
                        f"({plan.reason}); {self._linear_line}")

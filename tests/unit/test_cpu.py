@@ -151,3 +151,22 @@ def test_a_cluster_of_your_own_splits_each_hosts_cores_among_the_processes_worki
                                             {"n1": big, "n2": big, "n3": HostFacts("node", 16, 1)}, trainers=2,
                                             synchronous=False)
     assert trainer == 4 and threads == {"n1": 5, "n2": 5, "n3": 1}
+
+
+def test_bf16_on_a_cpu_without_bf16_units_is_said_with_the_keys_to_change(monkeypatch):
+    from astratk import cpu
+    from astratk.spec import PolicySpec, RolloutSpec, RunSpec, TrainerSpec
+
+    assert isinstance(cpu.has_bf16_units(), bool)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bf16 = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(precision="bf16-mixed"))],
+                   rollout=RolloutSpec(engine_args={"dtype": "bfloat16"}))
+    monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
+    line = cpu.bf16_warning(bf16)
+    assert line is not None and "main: trainer.precision bf16-mixed" in line
+    assert "rollout.engine_args.dtype bfloat16" in line and "trainer.precision: 32-true" in line
+    assert cpu.bf16_warning(RunSpec()) is None  # nothing asks for bf16: nothing to say
+    gpu_engine = RunSpec(rollout=RolloutSpec(engine_args={"dtype": "bfloat16", "device": "cuda"}))
+    assert cpu.bf16_warning(gpu_engine) is None
+    monkeypatch.setattr(cpu, "has_bf16_units", lambda: True)  # AMX or AVX512-BF16: bf16 is the fast path
+    assert cpu.bf16_warning(bf16) is None
