@@ -36,7 +36,7 @@ from typing import Any
 # Each TextWorld PddlEnv loads a private copy of the 33 MB planner library that is never unloaded (unloading copies
 # crashes at exit), so idle PddlEnvs are kept here and reused: as many libraries as games open at once, instead of
 # one per episode.
-_TEXTWORLD_LOCK = threading.RLock()
+TEXTWORLD_LOCK = threading.RLock()
 _PDDL_IDLE: list[Any] = []
 
 
@@ -76,7 +76,6 @@ class LiveGame:
                             policy_commands=walkthrough, admissible_commands=list_commands)
         self.list_commands = list_commands
         self._env, state = _start(Path(game_file), infos)
-        self._lock = _TEXTWORLD_LOCK
         self.objective = str(state.objective or "")
         self.walkthrough = list(state.policy_commands or []) if walkthrough else []
         self.max_score = float(state.max_score or 0)
@@ -92,7 +91,7 @@ class LiveGame:
         self.observation = text
 
     def step(self, command: str) -> str:
-        with self._lock:
+        with TEXTWORLD_LOCK:
             state, _, done = self._env.step(command)
         self._update(state, bool(done))
         return self.observation
@@ -101,7 +100,7 @@ class LiveGame:
         env, self._env = self._env, None
         if env is None:
             return
-        with _TEXTWORLD_LOCK:
+        with TEXTWORLD_LOCK:
             if getattr(env, "downward_lib", None) is not None:  # a PddlEnv: back to the pool (see _PDDL_IDLE)
                 _PDDL_IDLE.append(env)
             else:
@@ -117,7 +116,7 @@ def _start(path: Path, infos: Any) -> tuple[Any, Any]:
     try:
         if path.suffix == ".tw-pddl":
             return _start_pddl(path, infos)
-        with _TEXTWORLD_LOCK:
+        with TEXTWORLD_LOCK:
             env = import_textworld().start(str(path), infos)
             try:
                 return env, env.reset()
@@ -132,7 +131,7 @@ def _start(path: Path, infos: Any) -> tuple[Any, Any]:
 def _start_pddl(path: Path, infos: Any) -> tuple[Any, Any]:
     from textworld.envs.pddl import PddlEnv
 
-    with _TEXTWORLD_LOCK:
+    with TEXTWORLD_LOCK:
         env = _PDDL_IDLE.pop() if _PDDL_IDLE else PddlEnv(infos)
         env.request_infos = infos
         argv = sys.argv

@@ -71,7 +71,7 @@ from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
 from astratk.envs.agentbench.games import (
-    _TEXTWORLD_LOCK,
+    TEXTWORLD_LOCK,
     LiveGame,
     check_story_file,
     import_textworld,
@@ -89,12 +89,6 @@ INSTRUCTIONS = ("You are in a text-based household game. Reach the goal by typin
                 "'inventory', 'go north', 'open fridge', 'take apple from table' or 'put apple in fridge'. Reply with "
                 "exactly one command per turn inside <action>...</action>. You have {max_turns} turns.")
 FORMAT_HINT = "No command found. Reply with one command inside <action>...</action>, e.g. <action>look</action>."
-
-# TextWorld's generator keeps module-level state (knowledge base, grammar caches) and shares TextWorld's parser with
-# the games being played: one TextWorld call at a time per process (`games._TEXTWORLD_LOCK`). Across processes the
-# temporary-directory-and-rename protocol keeps the cache whole.
-_GENERATION_LOCK = _TEXTWORLD_LOCK
-
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """`cache_dir`, else $ASTRATK_CACHE, else ~/.cache/astratk (as `astratk.models.cache`, without importing it)."""
@@ -151,7 +145,7 @@ def ensure_game(recipe: GameRecipe, cache_dir: str | os.PathLike | None = None) 
 def _generate(recipe: GameRecipe, out: Path) -> None:
     tw = import_textworld()
     opts = recipe.options(out / GAME_FILE)
-    with _GENERATION_LOCK:
+    with TEXTWORLD_LOCK:  # the generator's module state and parser are shared with the games being played
         game = tw.generator.make_game(opts)
         tw.generator.compile_game(game, opts)
     (out / GAME_FILE).with_suffix(".ni").unlink(missing_ok=True)  # the Inform 7 source: not needed to play
@@ -332,14 +326,13 @@ class HouseholdEnv(Env):
         game = LiveGame(self.game_file(task), list_commands=self.list_commands)
         try:
             messages, out = self._opening(task, game.observation), []
-            for i, command in enumerate(walkthrough):
+            for command in walkthrough:
                 reply = f"<action>{command}</action>"
                 out.append((list(messages), reply))
                 feedback = game.step(command)
                 if game.done:
                     break
-                if i + 1 < len(walkthrough):
-                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": feedback}]
         finally:
             game.close()
         return out
