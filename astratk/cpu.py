@@ -240,14 +240,10 @@ def _measure(m: int = 64, k: int = 576, n: int = 1536, repeats: int = 8) -> floa
 
 
 def has_bf16_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16). Without them torch emulates
-    bf16 matmuls, which then run slower than fp32 (measured on an AVX-512 Xeon without either: a 1600 x 576 x 1536
-    Linear 3.4x, a SmolLM2 prefill 2.2x, a bf16 engine 1.7x slower on multi-turn episodes)."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    try:
-        return any(bool(check()) for check in checks if check is not None)
-    except Exception:  # noqa: BLE001 - an unknown CPU: assume the units are there (no warning rather than a wrong one)
-        return True
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16): `astratk.gpu.bf16_native`."""
+    from astratk.gpu import bf16_native
+
+    return bf16_native("cpu")
 
 
 def bf16_warning(spec: Any) -> str | None:
@@ -256,7 +252,7 @@ def bf16_warning(spec: Any) -> str | None:
     if torch.cuda.is_available() or has_bf16_units():
         return None
     asked = [f"{p.policy_id}: trainer.precision {p.trainer.precision}" for p in spec.policies
-             if str(p.trainer.precision).startswith("bf16")]
+             if str(p.trainer.precision).startswith("bf16") and not str(p.trainer.precision).endswith("if-native")]
     args = dict(spec.rollout.engine_args or {})
     if str(args.get("dtype", "")).lower() in ("bfloat16", "bf16") and str(args.get("device", "cpu")) in ("cpu", "auto"):
         asked.append(f"rollout.engine_args.dtype {args['dtype']}")
@@ -264,5 +260,6 @@ def bf16_warning(spec: Any) -> str | None:
         return None
     return (f"bf16 asked ({'; '.join(asked)}) on a CPU without bf16 matrix units (no AMX, no AVX512-BF16): torch "
             "emulates bf16 here and runs it 1.7-3.4x slower than float32; for speed on this machine set "
-            "trainer.precision: 32-true and drop rollout.engine_args.dtype")
+            "trainer.precision: bf16-mixed-if-native and rollout.engine_args.dtype: bfloat16-if-native (bf16 only "
+            "where a CPU or GPU computes it natively)")
 

@@ -21,8 +21,9 @@
 # Honest status on a 2-core laptop CPU: the warm start takes 3-6 minutes once (then it is cached), and 6-8 minutes of
 # RL make one or two optimizer steps there. The engine already keeps each episode's K/V between its turns (a turn
 # prefills only its new tokens), but each held-out evaluation holds the one rollout worker for about two minutes and
-# a step of 16 episodes costs about two minutes of one core. On a CPU with bf16 units, `rollout.engine_args:
-# {dtype: bfloat16}` and `trainer.precision: bf16-mixed` roughly halve both. BENCHMARKS.md ("Agents on a real
+# a step of 16 episodes costs about two minutes of one core. On a CPU with bf16 units (AMX, AVX512-BF16),
+# `rollout.engine_args: {dtype: bfloat16-if-native}` and `trainer.precision: bf16-mixed-if-native` roughly halve
+# both (on a CPU without them they stay float32: emulated bf16 is slower there). BENCHMARKS.md ("Agents on a real
 # model") has the figures. With more cores or a GPU the same code trains. The test suite runs it with
 # `ASTRATK_TUTORIAL_SHORT=1` (a smoke budget).
 

@@ -23,8 +23,9 @@ batches within `prefix_cache_mb` (`enable_prefix_caching`, vLLM's key, turns it 
 `MIN_REUSE` tokens with a kept sequence (an agent's next turn, which extends its last one; a new episode, which shares
 its system message and tools) starts from those K/V and prefills only the rest. Rows compute what they would alone.
 
-Devices and memory. `device` (auto, cpu, cuda, cuda:N) and `dtype` (auto, float32, bfloat16, float16) come from
-`rollout.engine_args`; auto is the GPU in bf16 when torch sees one (`astratk.gpu`), else the CPU in fp32. Everything a
+Devices and memory. `device` (auto, cpu, cuda, cuda:N) and `dtype` (auto, float32, bfloat16, float16,
+bfloat16-if-native) come from `rollout.engine_args`; auto is the GPU in bf16 when torch sees one (`astratk.gpu`), else
+the CPU in fp32; bfloat16-if-native is bf16 on a CPU with bf16 units too. Everything a
 batch computes (ids, masks, the KV cache, seeds, samples) lives on the model's device; results come back to the CPU
 once per batch. `gpu_memory_utilization` (vLLM's name and meaning: this engine's fraction of the GPU's memory) caps
 this process's CUDA allocator at that share and cuts batches so that the weights, the KV cache and the activations

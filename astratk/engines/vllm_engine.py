@@ -93,8 +93,8 @@ class VLLMEngine(ServingLoop, WeightLoads, LoraAdapters):
                  enable_prefix_caching: bool = True, keep_host_weights: bool = True,
                  start_timeout_s: float = 900.0, load_timeout_s: float = 600.0, max_lora_rank: int | None = None,
                  max_loras: int = 2, **engine_args: Any) -> None:
-        if dtype == "auto":  # as TorchEngine: bf16 on a GPU that computes it natively, else fp32
-            dtype = resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
+        if dtype in ("auto", "bfloat16-if-native"):  # as TorchEngine: bf16 where the device computes it natively
+            dtype = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES) + ['auto']}")
         if max_batch < 1:

@@ -198,11 +198,11 @@ def check_engine_placement(spec: RunSpec, key: str = "rollout.engine_args") -> s
     gpu.check_fraction(args.get("gpu_memory_utilization"), f"{key}.gpu_memory_utilization")
     if resolve_path("engine", spec.rollout.engine) != REGISTRY["engine"]["torch"]:
         dtype = args.get("dtype", "float32")  # other engines' own default (vLLM's wrapper: float32)
-        if dtype != "auto":
+        if dtype not in ("auto", "bfloat16-if-native"):
             return dtype
         import torch  # vLLM's auto: the GPU's native bf16 when it has one, as TorchEngine decides
 
-        return gpu.resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") if _local(spec) else None
+        return gpu.resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu") if _local(spec) else None
     device, dtype = args.get("device", "auto"), args.get("dtype", "auto")
     if _local(spec):
         if spec.cluster.rollout_gpus is not None and device == "auto":
@@ -217,7 +217,7 @@ def check_engine_placement(spec: RunSpec, key: str = "rollout.engine_args") -> s
     gpu.check_device_form(device, f"{key}.device")
     if dtype not in gpu.ENGINE_DTYPES:
         gpu.resolve_dtype(dtype, "cpu", f"{key}.dtype")  # raises, naming the choices
-    return None if dtype == "auto" else dtype
+    return None if dtype in ("auto", "bfloat16-if-native") else dtype  # decided on each worker
 
 
 def check_synchronous(spec: RunSpec) -> None:

@@ -90,7 +90,7 @@ class DivergenceSpec(Section):
 
 # Lightning's accelerator names and precision values that a trainer accepts ("auto": see TrainerSpec).
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "bf16-mixed-if-native")
 
 
 @dataclass
@@ -162,7 +162,9 @@ class TrainerSpec(Section):
     """Devices per trainer process. A run's in-process trainer uses one; more is data parallel in a trainer job
     (`astratk train fit`)."""
     precision: str = "auto"
-    """auto: bf16-mixed on a CUDA GPU with bf16, else 32-true; or any of PRECISIONS."""
+    """auto: bf16-mixed on a CUDA GPU with bf16, else 32-true; bf16-mixed-if-native: bf16-mixed wherever the device
+    computes bf16 in hardware (a CPU with AMX or AVX512-BF16 too; emulated bf16 runs 1.7-3.4x slower than fp32 on a
+    CPU without them), else 32-true; or any of PRECISIONS."""
     strategy: str = "auto"
     """Lightning's strategy name (auto, ddp, fsdp...)."""
     gpu_memory_fraction: float | None = None

@@ -14,7 +14,8 @@ from astratk.spec import TrainerSpec
 def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
     """Lightning's `accelerator`, `devices`, `precision` and `strategy` for this trainer, with
     "auto" resolved on this machine: the GPU when torch sees one; bf16-mixed on a CUDA GPU that has
-    bf16, 32-true elsewhere. A GPU asked for and absent, or bf16 on a GPU without it, fails here,
+    bf16, 32-true elsewhere. "bf16-mixed-if-native" is bf16-mixed wherever the trainer's device computes bf16 in
+    hardware (a CPU with AMX or AVX512-BF16 too), else 32-true. A GPU asked for and absent, or bf16 on a GPU without it, fails here,
     naming the key, before anything trains.
 
     >>> from astratk.spec import TrainerSpec
@@ -38,6 +39,8 @@ def placement(ts: TrainerSpec, key: str = "trainer") -> dict[str, Any]:
     precision = ts.precision
     if precision == "auto":
         precision = "bf16-mixed" if bf16 else "32-true"
+    elif precision == "bf16-mixed-if-native":
+        precision = "bf16-mixed" if (bf16 if on_gpu else bf16_native("cpu")) else "32-true"
     elif on_gpu and precision.startswith("bf16") and not bf16:
         raise ValueError(f"{key}.precision is {precision!r} but this GPU "
                          f"({torch.cuda.get_device_name()}) has no bf16; use 16-mixed or 32-true")

@@ -161,7 +161,8 @@ def test_the_two_policy_recipe_trains_both_lora_policies_on_one_smollm2_base(smo
 
 def test_the_code_recipe_trains_smollm2_on_sandboxed_tests(smollm2_dir, tmp_path, capsys):
     """tutorials/code_real_model.yaml at smoke length: SmolLM2 writes functions, the sandbox runs their hidden tests,
-    a step trains (bf16 engine and trainer, as the recipe sets them), and the trainer says its micro-batch budget."""
+    a step trains (bf16 engine and trainer where the CPU has bf16 units, fp32 elsewhere, as the recipe sets them), and
+    the trainer says its micro-batch budget."""
     import dataclasses
     from pathlib import Path
 
@@ -173,7 +174,8 @@ def test_the_code_recipe_trains_smollm2_on_sandboxed_tests(smollm2_dir, tmp_path
                               "600", "--rollout.group_size", "4", "--rollout.max_new_tokens", "48",
                               "--rollout.tasks_per_chunk", "2", "--progress", "false"])
     [p] = spec.policies
-    assert p.trainer.precision == "bf16-mixed" and p.trainer.micro_batch_tokens == "auto"
+    assert p.trainer.precision == "bf16-mixed-if-native" and p.trainer.micro_batch_tokens == "auto"
+    assert spec.rollout.engine_args["dtype"] == "bfloat16-if-native"
     p.trainer = dataclasses.replace(p.trainer, max_steps=1, groups_per_step=1, max_time_s=None)
     lines: list[str] = []
     result = Run(spec.validate(), printer=lines.append).start()

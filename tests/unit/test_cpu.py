@@ -164,7 +164,10 @@ def test_bf16_on_a_cpu_without_bf16_units_is_said_with_the_keys_to_change(monkey
     monkeypatch.setattr(cpu, "has_bf16_units", lambda: False)
     line = cpu.bf16_warning(bf16)
     assert line is not None and "main: trainer.precision bf16-mixed" in line
-    assert "rollout.engine_args.dtype bfloat16" in line and "trainer.precision: 32-true" in line
+    assert "rollout.engine_args.dtype bfloat16" in line and "trainer.precision: bf16-mixed-if-native" in line
+    if_native = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(precision="bf16-mixed-if-native"))],
+                        rollout=RolloutSpec(engine_args={"dtype": "bfloat16-if-native"}))
+    assert cpu.bf16_warning(if_native) is None  # they take float32 on this CPU: nothing slow to warn about
     assert cpu.bf16_warning(RunSpec()) is None  # nothing asks for bf16: nothing to say
     gpu_engine = RunSpec(rollout=RolloutSpec(engine_args={"dtype": "bfloat16", "device": "cuda"}))
     assert cpu.bf16_warning(gpu_engine) is None

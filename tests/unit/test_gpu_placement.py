@@ -64,6 +64,34 @@ def test_auto_is_the_gpu_in_bf16_when_torch_sees_one(monkeypatch):
     assert gpu.resolve_dtype("float16", "cuda:0") == "float16"
 
 
+def test_bfloat16_if_native_is_bf16_only_where_the_device_computes_it(monkeypatch):
+    here = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert gpu.bf16_native("cpu") == here
+    assert gpu.resolve_dtype("bfloat16-if-native", "cpu") == ("bfloat16" if here else "float32")
+    for amx, avx512_bf16, expected in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert gpu.resolve_dtype("bfloat16-if-native", "cpu") == expected
+        assert gpu.resolve_dtype("auto", "cpu") == "float32"  # auto stays fp32 on a CPU
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # the host's CPU does not decide for a GPU
+    fake_cuda(monkeypatch, capability=(7, 5), name="Tesla T4")
+    assert gpu.resolve_dtype("bfloat16-if-native", "cuda:0") == "float32"  # no error, unlike bfloat16
+    fake_cuda(monkeypatch)
+    assert gpu.resolve_dtype("bfloat16-if-native", "cuda:0") == "bfloat16"
+
+
+@no_gpu_here
+def test_validation_resolves_bfloat16_if_native_against_publish_dtype(monkeypatch):
+    bf16_deltas = WeightsSpec(publish_dtype="bfloat16", full_every=10)
+    if_native = RolloutSpec(engine_args={"dtype": "bfloat16-if-native"})
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"publish_dtype is 'bfloat16' but the engines run 'float32'"):
+        RunSpec(weights=bf16_deltas, rollout=if_native).validate()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    RunSpec(weights=bf16_deltas, rollout=if_native).validate()
+
+
 def test_a_gpu_asked_for_and_absent_fails_naming_the_key(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^rollout\.engine_args\.device is 'cuda' but torch .* sees no CUDA "

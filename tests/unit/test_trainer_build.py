@@ -133,6 +133,33 @@ def test_placement_on_a_gpu_is_bf16_mixed_by_default(monkeypatch):
     assert build.placement(TrainerSpec(accelerator="cpu"))["precision"] == "32-true"  # the CPU asked for
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(True, False, "bf16-mixed"), (False, True, "bf16-mixed"),
+                                                       (False, False, "32-true")])
+def test_bf16_mixed_if_native_is_bf16_only_where_the_cpu_has_bf16_units(monkeypatch, amx, avx512_bf16, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert build.placement(TrainerSpec(precision="bf16-mixed-if-native"))["precision"] == expected
+    assert build.placement(TrainerSpec())["precision"] == "32-true"  # auto stays fp32 on a CPU
+
+
+def test_bf16_mixed_if_native_on_gpus_follows_the_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)  # the host's CPU does not decide
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))  # a T4: fp32, no error
+    assert build.placement(TrainerSpec(precision="bf16-mixed-if-native"))["precision"] == "32-true"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 0))  # an A100
+    assert build.placement(TrainerSpec(precision="bf16-mixed-if-native"))["precision"] == "bf16-mixed"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    flags = build.placement(TrainerSpec(precision="bf16-mixed-if-native", accelerator="cpu"))  # the CPU asked for
+    assert (flags["accelerator"], flags["precision"]) == ("cpu", "32-true")
+
+
 def test_a_gpu_asked_for_and_absent_or_bf16_without_it_fails_naming_the_key(monkeypatch):
     import torch
 
