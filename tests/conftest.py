@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A run draws dashboard.html/.png at its end (2-7 s of CPU each); the suite's ~100 runs skip it, subprocesses included,
@@ -67,3 +68,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if any(part in SLOW_FOLDERS for part in item.path.relative_to(config.rootpath).parts[:2]):
             item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------------------------------- the suite's timeline
+# `ASTRATK_TEST_TIMELINE=file pytest` appends one line per test: test process, start and end (epoch seconds), test id.
+# What it is for: the suite's wall time is its longest test process; the timeline shows which files keep one process
+# busy while the other idles (pytest-xdist hands out whole files), i.e. what to split or shorten.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get("ASTRATK_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.1f}\t{time.time():.1f}\t{item.nodeid}\n")
