@@ -69,6 +69,18 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
             "samples": float(samples), "rollout_seconds": seconds, "services": services, **failures}
 
 
-def evaluate_task(ctx: RunContext, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
-                  ) -> dict[str, float]:
+EVAL_STARTED = "astratk-eval-started"  # the Dask event topic an evaluation logs its token to when it starts running
+
+
+def evaluate_task(ctx: RunContext, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0,
+                  token: str | None = None) -> dict[str, float]:
+    """A held-out evaluation on this rollout worker. `token`: logged to the scheduler (topic `EVAL_STARTED`) as it
+    starts, so that the driver counts `eval.timeout_s` from here, not from the time it queued behind rollout chunks."""
+    if token is not None:
+        try:
+            from distributed import get_worker
+
+            get_worker().log_event(EVAL_STARTED, token)
+        except Exception:  # noqa: BLE001 - outside a worker (a test calling it directly): nothing to tell
+            pass
     return get_service(ctx).evaluate_versions(versions, max_tasks, pass_k)

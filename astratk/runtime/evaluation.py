@@ -10,10 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+import uuid
 from typing import Any
 
 from astratk.records import RunContext
-from astratk.rollout.tasks import evaluate_task
+from astratk.rollout.tasks import EVAL_STARTED, evaluate_task
 from astratk.weights.store import WeightStore
 
 
@@ -38,7 +39,10 @@ class Evaluator:
         self._lock = threading.Lock()
         self._evaluated: dict[str, int] = {}  # versions evaluated before the periodic loop started
         self._after: concurrent.futures.Future | None = None  # what the periodic loop waits for before its first
-        self._running: dict[int, tuple[str, float]] = {}  # evaluations in flight: (which versions, time.monotonic())
+        # evaluations in flight by token: (which versions, time.monotonic() they were submitted, or started running)
+        self._running: dict[str, tuple[str, float]] = {}
+        self._abandoned: set[str] = set()  # tokens given up (`abandon`)
+        self._started_tokens: set[str] = set()  # tokens seen started (`EVAL_STARTED`)
 
     def evaluate(self, version: int | dict[str, int | None] | None = None, *, priority: int = 100,
                  timeout_s: float | None = None) -> dict[str, float]:
@@ -46,24 +50,29 @@ class Evaluator:
         {policy: version} mapping, or None for whatever version is newest when the task starts on its worker (it may
         queue behind a rollout chunk meanwhile, and pinning a version at submission could see it pruned from the
         store by then). `priority`: Dask's; 100 runs before queued rollout chunks, 0 after the ones queued already.
-        `timeout_s`: default `eval.timeout_s`."""
+
+        Two bounds: the evaluation may run `eval.timeout_s` on its worker (counted from when it starts there, which
+        it tells the scheduler: `EVAL_STARTED`), and the whole wait, its time queued behind rollout chunks included,
+        is at most `timeout_s` (default `eval.timeout_s` + `rollout.episode_timeout_s`: a chunk ahead of it ends
+        within one episode's bound). An evaluation given up is cancelled (Dask forgets it; a worker thread already
+        running it ends on its own) and leaves no record."""
         versions = version if isinstance(version, dict) else dict.fromkeys(self.policy_ids, version)
         resources = {f"rollout_{p}": 1 for p in self.policy_ids}
-        future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k,
+        token = uuid.uuid4().hex
+        future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k, token,
                                     resources=resources, priority=priority, pure=False)
-        timeout_s = self.espec.timeout_s if timeout_s is None else timeout_s
+        run_s = self.espec.timeout_s
+        wait_s = self.default_wait_s() if timeout_s is None else timeout_s
         which = ", ".join(f"{p} {'newest' if v is None else f'v{v}'}" for p, v in versions.items())
+        submitted = time.monotonic()
         with self._lock:
-            self._running[id(future)] = (which, time.monotonic())
+            self._running[token] = (which, submitted)
         try:
-            out = future.result(timeout=timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"held-out evaluation of {which} took more than {timeout_s:.0f}s "
-                               "(eval.timeout_s)") from None
+            out = self._wait(future, token, which, submitted, run_s, wait_s)
         finally:
             with self._lock:
-                self._running.pop(id(future), None)
+                self._running.pop(token, None)
+                self._abandoned.discard(token)
         t0 = self.train_t0
         record = {**out, "evaluated_at": time.time(),
                   # weights published before training began (v0) existed at its start: 0, not a negative time
@@ -73,6 +82,56 @@ class Evaluator:
         if self.on_record is not None:
             self.on_record(record)
         return record
+
+    def default_wait_s(self) -> float:
+        """The longest wait for one evaluation, queued and running: `eval.timeout_s` + `rollout.episode_timeout_s`."""
+        episode = self.ctx.spec.rollout.episode_timeout_s
+        return self.espec.timeout_s + (episode if episode is not None else self.espec.timeout_s)
+
+    def _wait(self, future: Any, token: str, which: str, submitted: float, run_s: float, wait_s: float
+              ) -> dict[str, float]:
+        """The evaluation's result, within its two bounds (`evaluate`); polls whether it started every second."""
+        started: float | None = None
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            if started is None and self._started(token):
+                started = now
+                with self._lock:
+                    if token in self._running:
+                        self._running[token] = (which, now)  # `running()` then says how long it has run
+            abandoned = token in self._abandoned
+            over_run = started is not None and now - started > run_s
+            if abandoned or over_run or now - submitted > wait_s:
+                future.cancel()
+                queued = (started if started is not None else now) - submitted
+                ran = f"ran {now - started:.0f}s" if started is not None else "had not started"
+                why = ("given up: the run is ending" if abandoned else
+                       f"more than eval.timeout_s ({run_s:.0f}s) on its worker" if over_run else
+                       f"more than {wait_s:.0f}s in all (eval.timeout_s + rollout.episode_timeout_s for the chunks "
+                       "ahead of it)")
+                raise TimeoutError(f"held-out evaluation of {which}: {why}; it queued {queued:.0f}s behind rollout "
+                                   f"chunks and {ran}")
+
+    def _started(self, token: str) -> bool:
+        """Whether the evaluation `token` has started on its worker (it logs `EVAL_STARTED` as it starts)."""
+        if token in self._started_tokens:
+            return True
+        try:
+            events = self.client.get_events(EVAL_STARTED)
+        except Exception:  # noqa: BLE001 - a client without events (tests' fakes): count from submission
+            return True
+        self._started_tokens.update(msg for _, msg in events if isinstance(msg, str))
+        return token in self._started_tokens
+
+    def abandon(self) -> None:
+        """Give up the evaluations in flight: each is cancelled and raises in its caller, leaving no
+        record and no line (a run ending without them)."""
+        with self._lock:
+            self._abandoned.update(self._running)
 
     def running(self) -> str | None:
         """The held-out evaluations in flight, in words (which versions, for how long, on how many tasks), or None."""

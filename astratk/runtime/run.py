@@ -344,8 +344,12 @@ class Run:
         tiny = all(p.model.path is None for p in self.spec.policies)
         start = (f"resumed, v{s.get('start_version', 0)}" if s.get("resumed_from") else
                  "warm start, v0" if tiny else "start, v0")
+        gain = s["accuracy_gain"]
+        failed = [w for w, a in (("first", s["accuracy_before"]), ("last", s["accuracy_after"])) if a != a]
+        said = (f"gain {100 * gain:+.1f} points" if gain == gain else
+                f"gain unknown (the {' and '.join(failed)} version's evaluation failed: see above)")
         p(f"held-out accuracy: {s['accuracy_before']:.3f} ({start}) -> {s['accuracy_after']:.3f} "
-          f"(v{s['final_version']}), gain {100 * s['accuracy_gain']:+.1f} points; best {s['accuracy_best']:.3f}")
+          f"(v{s['final_version']}), {said}; best {s['accuracy_best']:.3f}")
         t = s.get("time_to_target_s")
         target = 100 * s["target_gain"]
         p(f"+{target:.0f} points first reached after {t:.0f}s of training" if t is not None else

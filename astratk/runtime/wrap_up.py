@@ -29,16 +29,21 @@ class WrapUp:
         return list(starvation.warnings) if starvation is not None else []
 
     def _first_evaluation(self, future: Any, version: int) -> dict[str, float]:
-        """The first version's evaluation, waited for once training is over (eval.timeout_s at most); a failed one is
-        recorded with accuracy NaN, so that the run still writes what it gathered."""
+        """The first version's evaluation, waited for once training is over: the rollout workers are free by then, so
+        it starts within one chunk's time and runs `eval.timeout_s` at most (`Evaluator.evaluate` holds both bounds;
+        this wait, `Evaluator.default_wait_s`, is their sum). A failed one is recorded with accuracy NaN, so that the
+        run still writes what it gathered, and one still in flight is given up (no late record or line)."""
 
+        wait_s = self.evaluator.default_wait_s()
         try:
-            return future.result(timeout=self.spec.eval.timeout_s)
+            return future.result(timeout=wait_s)
         except concurrent.futures.TimeoutError:
-            why = f"not finished {self.spec.eval.timeout_s:.0f}s after training (eval.timeout_s)"
+            why = f"not finished {wait_s:.0f}s after training (eval.timeout_s + rollout.episode_timeout_s)"
+            self.evaluator.abandon()
         except Exception as e:  # noqa: BLE001 - reported; the run's outputs matter more
             why = f"{type(e).__name__}: {e}"
-        self.print(f"held-out evaluation of the first version (v{version}) failed: {why}")
+        self.print(f"held-out evaluation of the first version (v{version}) failed: {why}; the run's gain is not "
+                   "known (raise eval.timeout_s, or lower eval.max_tasks, for an evaluation that fits)")
         return {"version": float(version), "accuracy": float("nan"), "n": 0.0, "error": 1.0,
                 "evaluated_at": time.time(), "train_time_s": float("nan")}
 

@@ -16,7 +16,8 @@ class EvalSpec(Section):
     max_tasks: int = 512
     """held-out tasks evaluated each time (greedy decoding)"""
     timeout_s: float = 300.0
-    """longest wait for one evaluation"""
+    """the longest one evaluation may run on its rollout worker, counted from when it starts there (time queued behind
+    a rollout chunk does not count; the whole wait is at most timeout_s + rollout.episode_timeout_s)"""
     every_versions: int | None = None
     """also evaluate whenever the policy has published this many versions more"""
     pass_k: int = 0
