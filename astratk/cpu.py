@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from astratk.gpu import bf16_native
+
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 _AUTO_MIN_SPEEDUP = 1.15
 # Below this many multiply-adds (rows x in x out) oneDNN's fixed cost per call loses to torch's (measured here: 0.3x at
@@ -241,8 +243,6 @@ def _measure(m: int = 64, k: int = 576, n: int = 1536, repeats: int = 8) -> floa
 
 def has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16): `astratk.gpu.bf16_native`."""
-    from astratk.gpu import bf16_native
-
     return bf16_native("cpu")
 
 
