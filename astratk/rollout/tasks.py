@@ -7,8 +7,11 @@ scheduler.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
+
+from distributed import get_worker
 
 from astratk.dataflow.client import DataLayerClient
 from astratk.records import Lease, LeaseResult, RunContext
@@ -77,10 +80,6 @@ def evaluate_task(ctx: RunContext, versions: dict[str, int | None], max_tasks: i
     """A held-out evaluation on this rollout worker. `token`: logged to the scheduler (topic `EVAL_STARTED`) as it
     starts, so that the driver counts `eval.timeout_s` from here, not from the time it queued behind rollout chunks."""
     if token is not None:
-        try:
-            from distributed import get_worker
-
+        with contextlib.suppress(ValueError):  # outside a worker (a test calling it directly): nothing to tell
             get_worker().log_event(EVAL_STARTED, token)
-        except Exception:  # noqa: BLE001 - outside a worker (a test calling it directly): nothing to tell
-            pass
     return get_service(ctx).evaluate_versions(versions, max_tasks, pass_k)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import html
 import json
+import math
 import os
 import shutil
 import threading
@@ -345,8 +346,8 @@ class Run:
         start = (f"resumed, v{s.get('start_version', 0)}" if s.get("resumed_from") else
                  "warm start, v0" if tiny else "start, v0")
         gain = s["accuracy_gain"]
-        failed = [w for w, a in (("first", s["accuracy_before"]), ("last", s["accuracy_after"])) if a != a]
-        said = (f"gain {100 * gain:+.1f} points" if gain == gain else
+        failed = [w for w, a in (("first", s["accuracy_before"]), ("last", s["accuracy_after"])) if math.isnan(a)]
+        said = (f"gain {100 * gain:+.1f} points" if not math.isnan(gain) else
                 f"gain unknown (the {' and '.join(failed)} version's evaluation failed: see above)")
         p(f"held-out accuracy: {s['accuracy_before']:.3f} ({start}) -> {s['accuracy_after']:.3f} "
           f"(v{s['final_version']}), {said}; best {s['accuracy_best']:.3f}")

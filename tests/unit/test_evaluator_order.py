@@ -104,7 +104,7 @@ def dask_client():
 
 
 def evaluator_on(client, monkeypatch, *, run_s: float, eval_timeout_s: float) -> Evaluator:
-    import astratk.rollout.tasks as tasks
+    from astratk.rollout import tasks
 
     monkeypatch.setattr(tasks, "get_service", lambda ctx: SlowService(run_s))
     spec = RunSpec(eval=EvalSpec(timeout_s=eval_timeout_s))
