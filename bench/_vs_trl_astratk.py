@@ -92,7 +92,13 @@ def astratk_spec(args: argparse.Namespace, out_dir: Path, lr: float = 1e-4, seed
         overrides += ["--env.init_args.levels", json.dumps(LARGE_LEVELS)]
     for key, value in top:
         overrides += [f"--{key}", value]
-    if args.model == "smollm2":
+    if getattr(args, "task", "sums") == "tool-agent":  # a spec in Python (tutorial 10's): keys set on it
+        import _vs_trl_agent
+
+        spec = _vs_trl_agent.agent_spec({"name": name, "output_dir": str(out_dir), "seed": seed,
+                                         "eval_interval_s": 1e9, "eval_max_tasks": 16})
+        nested = top + nested
+    elif args.model == "smollm2":
         import _vs_trl_real
 
         spec = load_spec(_vs_trl_real.CONFIG, overrides)

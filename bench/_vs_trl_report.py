@@ -245,7 +245,8 @@ def conclude(args: argparse.Namespace, runs: list[dict[str, Any]], best: dict[st
         c = trl_run["check"]
         env = ", ".join(f"{k}={v}" for k, v in (trl_run.get("thread_env") or {}).items() if v is not None) or "none"
         print(f"\nTRL {trl_run['trl_version']} ({trl_run['threads']} torch threads; thread variables set: {env}): "
-              f"prompt token ids equal to astratk's on {c['prompts_compared']} tasks: {c['prompt_ids_equal']}; "
+              f"prompt token ids{' (and whole tool episodes)' if 'example_episode' in c else ''} equal to "
+              f"astratk's on {c['prompts_compared']} tasks: {c['prompt_ids_equal']}; "
               f"stop tokens {c['trl_eos_token_ids']} (astratk {c['astratk_stop_token_ids']})")
         print("GRPOConfig: " + ", ".join(f"{k}={v}" for k, v in trl_run["config"].items()))
     payload = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -28,8 +28,9 @@ def trl_config(cfg: dict[str, Any]) -> dict[str, Any]:
     fields = {
         "output_dir": cfg["out"] + "/trl", "loss_type": "dr_grpo", "learning_rate": cfg["lr"], "seed": cfg["seed"],
         # astratk's run shape (`shape`): prompts x samples per optimizer step (generation_batch_size defaults to
-        # it), completion length, temperature; the quickstart's: 16 x 8 = 128 completions, 8 tokens, T = 1
-        **cfg["shape"], "gradient_accumulation_steps": 1,
+        # it), completion length, temperature; the quickstart's: 16 x 8 = 128 completions, 8 tokens, T = 1 (a shape
+        # may split a step into micro-batches: per_device_train_batch_size x gradient_accumulation_steps)
+        "gradient_accumulation_steps": 1, **cfg["shape"],
         "use_cpu": True, "bf16": False, "report_to": "none",
         "save_strategy": "no", "logging_steps": 10, "disable_tqdm": True,
         # the callback stops training at --seconds; a linear decay over 10^7 steps is constant in practice
@@ -47,7 +48,8 @@ TRL_FIELDS = ("loss_type", "learning_rate", "seed", "per_device_train_batch_size
               "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
               "mask_truncated_completions", "importance_sampling_level", "gradient_checkpointing", "bf16", "use_cpu",
               "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay", "max_grad_norm",
-              "lr_scheduler_type", "warmup_steps", "use_vllm", "logging_steps", "max_steps", "shuffle_dataset")
+              "lr_scheduler_type", "warmup_steps", "use_vllm", "logging_steps", "max_steps", "shuffle_dataset",
+              "max_tool_calling_iterations", "generation_kwargs")
 
 
 def trl_child(cfg_path: str) -> None:
@@ -73,12 +75,30 @@ def trl_child(cfg_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(cfg["model_dir"], dtype=torch.float32)
     # train tasks from the env's train stream (never a held-out one); more rows than the run can use
     tasks = list(itertools.islice(env.tasks("train"), cfg["rows"]))
-    dataset = Dataset.from_dict({"prompt": [env.messages(t) for t in tasks], "task_index": list(range(len(tasks)))})
+    agent = cfg.get("task") == "tool-agent"
+    environment_factory = None
+    if agent:  # tutorial 10's tool agent through TRL's own tool loop (bench/_vs_trl_agent.py)
+        import _vs_trl_agent
+        from trl.chat_template_utils import qwen3_template
 
-    def exact_answer(prompts: list, completions: list, task_index: list[int], **_: Any) -> list[float]:
-        """The env's grade of each completion (1.0 exact answer, else 0.0), as astratk's reward."""
-        return [env.grade(tasks[i], c[0]["content"] if isinstance(c, list) else c)
-                for i, c in zip(task_index, completions)]
+        from astratk.envs import price_total
+
+        rows = [_vs_trl_agent.row_of(t) for t in tasks]
+        _vs_trl_agent.PriceTools.rows = rows
+        environment_factory = _vs_trl_agent.PriceTools
+        tok.chat_template = _vs_trl_agent.trl_template(tok.chat_template)  # what astratk renders, tools included
+        tok.response_template = qwen3_template  # TRL's Hermes/Qwen parser: <tool_call>{json}</tool_call>
+        dataset = Dataset.from_dict({
+            "prompt": [[{"role": "system", "content": price_total.SYSTEM}, {"role": "user", "content": r["prompt"]}]
+                       for r in rows], "task_index": list(range(len(rows)))})
+        reward = _vs_trl_agent.trl_reward(rows)
+    else:
+        dataset = Dataset.from_dict({"prompt": [env.messages(t) for t in tasks], "task_index": list(range(len(tasks)))})
+
+        def reward(prompts: list, completions: list, task_index: list[int], **_: Any) -> list[float]:
+            """The env's grade of each completion (1.0 exact answer, else 0.0), as astratk's reward."""
+            return [env.grade(tasks[i], c[0]["content"] if isinstance(c, list) else c)
+                    for i, c in zip(task_index, completions)]
 
     marks, seconds = cfg["marks"], cfg["seconds"]
     snapshots: list[dict[str, Any]] = []
@@ -133,18 +153,23 @@ def trl_child(cfg_path: str) -> None:
     from _vs_trl_real import time_generation, trl_peft_config
 
     generation = time_generation(model, tok.pad_token_id)  # TRL's rollouts: tokens and seconds
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=config, train_dataset=dataset,
-                          processing_class=tok, callbacks=[clock], peft_config=trl_peft_config(cfg))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                          processing_class=tok, callbacks=[clock], peft_config=trl_peft_config(cfg),
+                          environment_factory=environment_factory)
     # the same prompts as astratk's: TRL's own tokenization of the chat messages against astratk's encode_chat with
     # the tokenizer astratk loads; and generation stops at astratk's stop tokens
-    sample = tasks[:32]
-    trl_ids = [list(x) for x in trainer._tokenize_prompts([env.messages(t) for t in sample])[0]]
     ours = load_tokenizer(cfg["model_dir"])
-    astratk_ids = [encode_chat(ours, env.messages(t)) for t in sample]
-    check = {"prompts_compared": len(sample), "prompt_ids_equal": trl_ids == astratk_ids,
-             "example_prompt_ids": trl_ids[0], "example_prompt": tok.decode(trl_ids[0]),
-             "trl_eos_token_ids": sorted(trainer.eos_token_ids), "astratk_stop_token_ids": sorted(stop_token_ids(ours)),
+    stops = {"trl_eos_token_ids": sorted(trainer.eos_token_ids), "astratk_stop_token_ids": sorted(stop_token_ids(ours)),
              "stops_equal": set(trainer.eos_token_ids) == set(stop_token_ids(ours))}
+    if agent:  # prompts and whole episodes (calls and results) with the tools, token for token
+        check = {**_vs_trl_agent.check_renders(tok, ours, rows[:16], trainer.tools), **stops}
+        check["prompt_ids_equal"] = check["prompt_ids_equal"] and check.pop("episode_ids_equal")
+    else:
+        sample = tasks[:32]
+        trl_ids = [list(x) for x in trainer._tokenize_prompts([env.messages(t) for t in sample])[0]]
+        astratk_ids = [encode_chat(ours, env.messages(t)) for t in sample]
+        check = {"prompts_compared": len(sample), "prompt_ids_equal": trl_ids == astratk_ids,
+                 "example_prompt_ids": trl_ids[0], "example_prompt": tok.decode(trl_ids[0]), **stops}
     if not (check["prompt_ids_equal"] and check["stops_equal"]):
         raise SystemExit(f"TRL would not see astratk's prompts or stop tokens: {check}")
     trainer.train()
@@ -164,7 +189,7 @@ def run_trl(args: argparse.Namespace, lr: float, seed: int, marks: list[float], 
     out = Path(tempfile.mkdtemp(prefix=f"trl-lr{lr:g}-s{seed}-", dir=tmp))
     cfg = {"out": str(out), "lr": lr, "seed": seed, "marks": marks, "seconds": float(args.seconds),
            "model_dir": str(model_dir), "env": str(env_file), "threads": args.trl_threads,
-           "lora": bool(getattr(args, "lora", False)), "shape": args.trl_shape,
+           "lora": bool(getattr(args, "lora", False)), "shape": args.trl_shape, "task": getattr(args, "task", "sums"),
            "rows": args.trl_rows or max(4096, int(args.seconds * 64)),  # ~4x what TRL gets through on 2 cores
            "trl_set": {k: _scalar(v) for k, v in _pairs(args.trl_set, "--trl-set")}}
     (out / "config.json").write_text(json.dumps(cfg))

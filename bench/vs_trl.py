@@ -36,11 +36,16 @@ up to `--seeds`. Writes `--out/<model>.json` (every run and curve), `.png` and `
     python bench/vs_trl.py --trl-set scale_rewards=none  # TRL with Dr. GRPO's unscaled advantages
     python bench/vs_trl.py --model smollm2 --seconds 600 --lrs 1e-5 --seeds 3 --eval-every 60 --heldout 128
     python bench/vs_trl.py --model smollm2 --lora --seconds 600 --lrs 5e-4 --seeds 3 --eval-every 60 --heldout 128
+    python bench/vs_trl.py --model smollm2 --lora --task tool-agent --seconds 600 --lrs 5e-4 --eval-every 120 --heldout 64
 
 `--model smollm2`: SmolLM2-135M-Instruct, a real pretrained chat model (tutorials/real_model.yaml: one- and two-digit
 sums asked in words, the last number graded; 8 prompts x 8 samples, 32 new tokens, temperature 0.7), full fine-tuning
 or, with `--lora`, PEFT LoRA adapters on both sides; targets +10 and +20 points; adds rollout tokens/s and peak RSS
 (bench/_vs_trl_real.py). The shared evaluation decodes the rollout's token budget (the model answers in sentences).
+
+`--task tool-agent` (with `--model smollm2 --lora`): tutorial 10's two-tool agent on both sides, TRL through its own
+tool loop (`GRPOTrainer(environment_factory=...)`), both from the same warm-started model, evaluated by playing the
+held-out questions greedily with the tools (bench/_vs_trl_agent.py).
 
 This script holds the command line and the protocol (the lr sweep, the seeds, the sides taking turns); the parts sit
 next to it: bench/_vs_trl_astratk.py (the spec and the astratk run), bench/_vs_trl_trl.py (the TRL run, re-executing
@@ -80,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("quickstart", "large", "smollm2"), default="quickstart")
     ap.add_argument("--lora", action="store_true", help="--model smollm2: LoRA adapters on both sides")
+    ap.add_argument("--task", choices=("sums", "tool-agent"), default="sums",
+                    help="tool-agent: tutorial 10's two-tool agent, TRL through its own tool loop (--model smollm2 "
+                         "--lora; bench/_vs_trl_agent.py)")
     ap.add_argument("--seconds", type=float, default=150.0, help="training time per run")
     ap.add_argument("--lrs", default="3e-5,1e-4,3e-4", help="comma-separated learning rates swept per side")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per side at its best lr")
@@ -91,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "every --eval-every s")
     ap.add_argument("--heldout", type=int, default=512, help="held-out tasks each snapshot is evaluated on")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "vs_trl")
-    ap.add_argument("--quick", action="store_true", help="smoke: a few seconds per run, 64 held-out, 1 seed, 1 lr")
+    ap.add_argument("--quick", action="store_true", help="smoke: a few seconds per run, 64 held-out (or --heldout), 1 seed, 1 lr")
     ap.add_argument("--astratk-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a run-spec override: top-level dotted keys go to load_spec (eval.max_tasks=8), "
                          "policies.N.* keys are set on the spec (policies.0.trainer.precision=bf16-mixed)")
@@ -109,8 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.lora and args.model != "smollm2" and args.trl_child is None:
         ap.error("--lora trains adapters on the pretrained model only: add --model smollm2")
+    if args.task == "tool-agent" and not (args.model == "smollm2" and args.lora) and args.trl_child is None:
+        ap.error("--task tool-agent trains LoRA adapters on SmolLM2: add --model smollm2 --lora")
     if args.quick:
-        args.seconds, args.eval_every, args.heldout, args.seeds, args.sweep_seeds = 6.0, 2.0, 64, 1, 1
+        heldout = 64 if args.heldout == ap.get_default("heldout") else args.heldout
+        args.seconds, args.eval_every, args.heldout, args.seeds, args.sweep_seeds = 6.0, 2.0, heldout, 1, 1
         args.lrs = "1e-4" if args.lrs == ap.get_default("lrs") else args.lrs.split(",")[0]
     try:
         until, every = (float(x) for x in str(args.eval_fine).split(":"))
@@ -153,21 +164,28 @@ def main(argv: list[str] | None = None) -> None:
 
         # the report's targets, read by every figure, table and ranking of this bench from here on
         _vs_trl_report.GAINS, _vs_trl_report.HEADLINE_GAIN = _vs_trl_real.GAINS, _vs_trl_real.GAINS[0]
-    stem_name = args.model + ("-lora" if args.lora else "")
+    stem_name = args.model + ("-lora" if args.lora else "") + ("-tool-agent" if args.task == "tool-agent" else "")
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp_name:
         tmp = Path(tmp_name)
         spec = astratk_spec(args, tmp)
         env = spec.env
-        from _vs_trl_real import trl_shape
+        if args.task == "tool-agent":
+            import _vs_trl_agent
 
-        args.trl_shape = trl_shape(spec)
+            args.trl_shape = _vs_trl_agent.trl_shape(spec)
+        else:
+            from _vs_trl_real import trl_shape
+
+            args.trl_shape = trl_shape(spec)
         t = time.perf_counter()
         with torch_threads(1):  # the warm start trains on one thread anyway
             model_dir = ensure_model(spec.policies[0].model, env, log=lambda s: print(f"  {s}"))
         build_s = time.perf_counter() - t
         warm_file = model_dir / "warm_start.json"
         warm = json.loads(warm_file.read_text()) if warm_file.exists() else {}  # a real model has no warm start
-        if args.lora:
+        if args.task == "tool-agent":
+            evaluate = _vs_trl_agent.ToolHeldOut(model_dir, env, args.heldout, threads, spec.rollout.max_new_tokens)
+        elif args.lora:
             evaluate = _vs_trl_real.LoraHeldOut(model_dir, env, args.heldout, threads, spec.rollout.max_new_tokens)
         else:
             evaluate = HeldOut(model_dir, env, args.heldout, threads,
