@@ -8,7 +8,9 @@ other columns the rewards need.
 Reward functions use TRL's calling convention, so functions written for `GRPOTrainer` work unchanged:
 `f(prompts, completions, completion_ids, **columns) -> list[float | None]`, one value per completion, where every
 dataset column arrives as a keyword argument holding one value per completion. Completions are strings for string
-prompts and `[{"role": "assistant", "content": text}]` for chat prompts. A function without `**kwargs` gets only the
+prompts and `[{"role": "assistant", "content": text}]` for chat prompts. As in TRL, a reward model can stand
+beside the functions: a directory or Hub id string, or a loaded `AutoModelForSequenceClassification` (one score per
+sequence), run on the rollout worker in batches (`astratk.envs.reward_model`). A function without `**kwargs` gets only the
 arguments it names. `None` means "this function does not apply to this completion": the reward is the weighted sum of
 the values that are not None (`reward_weights`, default 1 each), and a completion no function scores gets no reward
 (dropped and counted by the data layer). Each function's mean shows in the run's metrics as `reward/<name>`.
@@ -36,12 +38,14 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from astratk.contracts import Engine, SamplingParams
 from astratk.envs.chat import single_turn
 from astratk.envs.dataset import FILE_FORMATS, DatasetEnv, load_rows  # noqa: F401 - load_rows, FILE_FORMATS: re-exported
+from astratk.envs.reward_model import RewardModel, is_reward_model_path
 from astratk.records import Task, Trajectory
 from astratk.registry import import_object
 
@@ -55,7 +59,21 @@ def _import(path: str) -> RewardFunc:
     return obj
 
 
+def _reward_func(f: Any, tokenizer: Any) -> RewardFunc:
+    """A `reward_funcs` entry as a callable: a reward model for a model path, a Hub id or a loaded
+    sequence-classification model (with `tokenizer`, TRL's processing class, where given); a function otherwise."""
+    if isinstance(f, str):
+        return RewardModel(f, tokenizer) if is_reward_model_path(f) else _import(f)
+    if isinstance(f, os.PathLike):
+        return RewardModel(f, tokenizer)
+    if hasattr(f, "config") and hasattr(f, "forward") and not isinstance(f, RewardModel):  # a loaded HF model
+        return RewardModel(f, tokenizer)
+    return f
+
+
 def _qualified(f: Any) -> str:
+    if isinstance(f, RewardModel) and f.path is not None:  # the saved config rebuilds it from its path
+        return f.path
     return f"{getattr(f, '__module__', None) or type(f).__module__}.{getattr(f, '__qualname__', type(f).__qualname__)}"
 
 
@@ -68,7 +86,9 @@ class FunctionEnv(DatasetEnv):
 
     Args:
         dataset: the train rows (or all rows, when the held-out share comes out of them).
-        reward_funcs: one function, or a list; a string is imported ("mypkg.rewards.exact" or "mypkg.rewards:exact").
+        reward_funcs: one function, or a list; a string is imported ("mypkg.rewards.exact" or "mypkg.rewards:exact"),
+            or, when it holds a "/" (a directory, a Hub id `org/name`), loaded as a reward model; a loaded
+            sequence-classification model is a reward model too (`astratk.envs.reward_model.RewardModel`).
         reward_weights: one weight per function (default 1.0 each).
         eval_dataset: held-out rows; default: the DatasetDict's `test` split, else `heldout` of the rows.
         heldout: the share of rows held out when no eval dataset is given: a fraction in (0, 1) or a count.
@@ -77,6 +97,8 @@ class FunctionEnv(DatasetEnv):
             model (`model.tiny`); without one, give `model.path`.
         seed: the order of the held-out split and of each epoch's train stream.
         name: the env's name in task ids and metrics.
+        reward_processing_classes: TRL's argument: the tokenizer of each reward model (one per reward function, None
+            for a function or to load the model's own), or one tokenizer for all.
 
     Scoring runs bounded by `rollout.score_timeout_s`: a group whose reward functions take longer gets no rewards
     (counted, like every unscored completion).
@@ -87,11 +109,16 @@ class FunctionEnv(DatasetEnv):
     def __init__(self, dataset: Any, reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
                  reward_weights: Sequence[float] | None = None, eval_dataset: Any = None, heldout: float = 0.1,
                  system_prompt: str | None = None, demonstration_column: str | None = None, seed: int = 0,
-                 name: str = "function") -> None:
+                 name: str = "function", reward_processing_classes: Any = None) -> None:
         funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
         if not funcs:
             raise ValueError("reward_funcs: give at least one reward function")
-        self._funcs = [_import(f) if isinstance(f, str) else f for f in funcs]
+        tokenizers = (list(reward_processing_classes) if isinstance(reward_processing_classes, list | tuple)
+                      else [reward_processing_classes] * len(funcs))
+        if len(tokenizers) != len(funcs):
+            raise ValueError(f"reward_processing_classes: give {len(funcs)} (one per reward function, None for a "
+                             f"function), got {len(tokenizers)}")
+        self._funcs = [_reward_func(f, t) for f, t in zip(funcs, tokenizers, strict=True)]
         for i, f in enumerate(self._funcs):
             if not callable(f):
                 raise TypeError(f"reward_funcs[{i}] is not callable: {f!r}")
@@ -113,8 +140,11 @@ class FunctionEnv(DatasetEnv):
 
     # ------------------------------------------------------------------------------------------------ rewards
     def _call(self, i: int, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-              columns: dict[str, list[Any]]) -> list[float | None]:
+              columns: dict[str, list[Any]]) -> tuple[list[float | None], list[dict[str, float]]]:
+        """Function `i`'s values for the completions, and per completion what it cost (reward models: tokens read
+        and milliseconds, as `reward_model/<name>/tokens` and `.../ms`; functions: nothing)."""
         f, name = self._funcs[i], self.reward_names[i]
+        costs: list[dict[str, float]] = [{} for _ in completions]
         kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns,
                   "trainer_state": None}
         try:
@@ -128,7 +158,12 @@ class FunctionEnv(DatasetEnv):
                 raise TypeError(f"reward function {name!r} needs {missing}, which is neither a dataset column "
                                 f"({sorted(columns)}) nor one of prompts/completions/completion_ids")
             kwargs = {k: v for k, v in kwargs.items() if k in params}
-        out = f(**kwargs)
+        if isinstance(f, RewardModel):
+            out, tokens, seconds = f.score(prompts, completions)
+            costs = [{f"reward_model/{name}/tokens": float(t),
+                      f"reward_model/{name}/ms": 1e3 * seconds / max(1, len(tokens))} for t in tokens]
+        else:
+            out = f(**kwargs)
         if inspect.isawaitable(out):
             out = _run_coroutine(out)
         values = list(out) if out is not None else []
@@ -143,7 +178,7 @@ class FunctionEnv(DatasetEnv):
                 raise TypeError(f"reward function {name!r} returned {v!r}; expected a float or None")
             else:
                 clean.append(float(v) if math.isfinite(float(v)) else None)
-        return clean
+        return clean, costs
 
     def rewards(self, task: Task, texts: Sequence[str], completion_ids: Sequence[Sequence[int]] | None = None
                 ) -> list[tuple[float | None, dict[str, float]]]:
@@ -154,7 +189,8 @@ class FunctionEnv(DatasetEnv):
                                   else list(texts))
         ids = [list(c) for c in completion_ids] if completion_ids is not None else [[] for _ in texts]
         columns = {k: [v] * n for k, v in task.info["columns"].items()}
-        per_func = [self._call(i, [prompt] * n, completions, ids, columns) for i in range(len(self._funcs))]
+        called = [self._call(i, [prompt] * n, completions, ids, columns) for i in range(len(self._funcs))]
+        per_func = [values for values, _ in called]
         out: list[tuple[float | None, dict[str, float]]] = []
         for j in range(n):
             values = [(w, v) for w, vals in zip(self.reward_weights, per_func, strict=True)
@@ -162,6 +198,8 @@ class FunctionEnv(DatasetEnv):
             reward = float(sum(w * v for w, v in values)) if values else None
             metrics = {f"reward/{name}": v for name, vals in zip(self.reward_names, per_func, strict=True)
                        if (v := vals[j]) is not None}
+            for _, costs in called:
+                metrics.update(costs[j])
             out.append((reward, metrics))
         return out
 

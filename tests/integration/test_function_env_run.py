@@ -71,3 +71,40 @@ env:
     assert type(env).__name__ == "FunctionEnv" and env.stats["heldout"] == 40 and env.stats["train"] == 360
     task = next(iter(env.tasks("heldout")))
     assert env.grade(task, task.info["columns"]["answer"]) == 1.0
+
+
+def test_a_reward_model_scores_on_the_rollout_worker_from_yaml(tmp_path):
+    """TRL's way of naming a reward model (its directory in `reward_funcs`) through the YAML front door: the run
+    ships the env to its Dask rollout worker, which loads the model there and scores every group with it."""
+    import astratk
+    from astratk.config import load_spec
+    from astratk.quick import smoke
+    from tests.unit.test_reward_model import _save
+
+    rm = _save(tmp_path / "tiny_rm")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(f'{{"prompt": "{a} + {b} =", "answer": "{a + b}"}}' for a in range(20)
+                              for b in range(20)))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+name: rm
+output_dir: {tmp_path / "runs"}
+env:
+  class_path: function
+  init_args:
+    dataset: {rows}
+    reward_funcs: [tests.unit.test_function_env.exact, {rm}]
+    reward_weights: [1.0, 0.5]
+    demonstration_column: answer
+    heldout: 16
+""")
+    spec = smoke(load_spec(str(config), []), steps=2, cache_dir=str(tmp_path / "cache"))
+    result = astratk.Run(spec, printer=lambda s: None).start()
+    assert result.summary["steps"] == 2
+    ds = result.metrics()
+    [score] = [v for v in ds.data_vars if "reward_tiny_rm_mean" in v]
+    values = ds[score].values
+    assert np.isfinite(values[~np.isnan(values)]).any(), values
+    [cost] = [v for v in ds.data_vars if "reward_model_tiny_rm_ms_mean" in v]  # what scoring cost, per completion
+    assert (ds[cost].values[~np.isnan(ds[cost].values)] > 0).any()
+    assert (tmp_path / "runs").exists()
