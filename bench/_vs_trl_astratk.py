@@ -84,8 +84,9 @@ def astratk_spec(args: argparse.Namespace, out_dir: Path, lr: float = 1e-4, seed
         if key in RESERVED or key.replace("[0]", ".0") in RESERVED:
             raise SystemExit(f"--astratk-set {key}: the bench sets it per run (--lrs, --seeds, --seconds, --out)")
         (nested if "." in key and key.split(".", 1)[0] == "policies" else top).append((key, value))
-    # periodic evaluation off (the bench evaluates snapshots itself); the run's own first and last evaluations cost
-    # time outside the training clock only, on a few tasks; no progress lines
+    # periodic evaluation off (the bench evaluates snapshots itself); the run's own first evaluation runs after its
+    # first step, beside training (its rollout worker serves it between chunks), and its last one after training:
+    # a few tasks, so that the first holds the rollout worker for little of the training clock; no progress lines
     overrides = ["--output_dir", str(out_dir), "--name", name, "--eval.interval_s", "1000000000",
                  "--eval.max_tasks", "16", "--progress", "false", "--seed", str(seed)]
     if args.model == "large":
@@ -96,7 +97,7 @@ def astratk_spec(args: argparse.Namespace, out_dir: Path, lr: float = 1e-4, seed
         import _vs_trl_agent
 
         spec = _vs_trl_agent.agent_spec({"name": name, "output_dir": str(out_dir), "seed": seed,
-                                         "eval_interval_s": 1e9, "eval_max_tasks": 16})
+                                         "eval_interval_s": 1e9, "eval_max_tasks": 2})  # 16 tool episodes: ~2 min
         nested = top + nested
     elif args.model == "smollm2":
         import _vs_trl_real

@@ -37,7 +37,7 @@ report  # noqa: B018 - the notebook shows the report
 # ## Train
 #
 # The run prints how it placed the work on this CPU (torch threads per process, the kernel behind the Linear
-# layers), then trains in the background. Its first evaluation of the starting model runs while training starts.
+# layers), then trains in the background. Its first evaluation of the starting model runs once the first step is done.
 # If the trainer starves (waits while groups are dropped), a line says so within half a minute, with the numbers
 # and what to change; the live view shows it too.
 

@@ -86,7 +86,8 @@ class Drive:
         tiny = all(p.model.path is None for p in self.spec.policies)  # the built-in tiny model is warm-started
         what = ("the resumed policy" if self.resume_point else
                 f"the {'warm-start' if tiny else 'starting'} model{'s' if several else ''}")
-        self.print(f"evaluating {what} (v{self._first_version()}) on the held-out split, while training starts")
+        self.print(f"evaluating {what} (v{self._first_version()}) on the held-out split once the first step is done "
+                   "(its rollouts come first)")
         return self._drive(self._build_trainers)
 
     def serve(self, poll_s: float = 5.0, until_versions: dict[str, int] | None = None,
@@ -120,9 +121,9 @@ class Drive:
         written."""
         self.state = "training"
         try:
-            # The first evaluation overlaps training: it starts once the first step is done (or after a minute), so
-            # the first step's rollouts do not wait for it on the rollout workers; it evaluates the stored first
-            # version whenever it runs.
+            # The first evaluation overlaps training: it starts once the first step is done (or training has
+            # stopped), so the first step's rollouts do not wait for it on the rollout workers; it evaluates the
+            # stored first version whenever it runs.
             first = self._first_version()
             first_eval = self.evaluator.evaluate_in_background(first, timeout_s=self._first_eval_timeout())
             fit = trainers()

@@ -8,6 +8,7 @@ measured from when those weights existed, not from when the evaluation happened 
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 import uuid
@@ -143,12 +144,14 @@ class Evaluator:
         return "; ".join(f"{which} for {now - t0:.0f}s" for which, t0 in running) + (
             f" on {self.espec.max_tasks} held-out tasks")
 
-    def evaluate_in_background(self, version: int, timeout_s: float, start_after_s: float = 60.0
+    def evaluate_in_background(self, version: int, timeout_s: float, start_after_s: float | None = None
                                ) -> concurrent.futures.Future:
         """`evaluate(version)` on a thread, once every policy has published a version past `version` (its first
-        step is done) or `start_after_s` seconds have passed, whichever comes first: the evaluation runs on the
-        rollout workers, and before then it would hold up the rollouts of the first step. The future holds the
-        record (or the error)."""
+        step is done), training stops, or `start_after_s` seconds have passed (None: no such limit), whichever comes
+        first: the evaluation runs on the rollout workers, and before then it would hold up the rollouts of the
+        first step. (It once started after a minute at the latest; where a first step takes minutes, a real model
+        on a CPU, that put the whole evaluation into the first step's rollouts: a 300 s tool-agent run then made no
+        step at all.) The future holds the record (or the error)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def stepped() -> bool:
@@ -157,7 +160,7 @@ class Evaluator:
 
         def run() -> None:
             try:
-                deadline = time.monotonic() + start_after_s
+                deadline = time.monotonic() + (math.inf if start_after_s is None else start_after_s)
                 while time.monotonic() < deadline and not self._stop.is_set() and not stepped():
                     time.sleep(0.25)
                 future.set_result(self.evaluate(version, timeout_s=timeout_s))
