@@ -25,11 +25,10 @@ until a reply has no call or the turns run out; the reward is the env's.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-LORA = {"r": 16, "alpha": 32.0}
+from _vs_trl_real import LORA, LoraHeldOut
 
 
 # ------------------------------------------------------------------------------------------------------- the spec
@@ -120,34 +119,17 @@ def play(model: Any, tok: Any, rows: list[dict[str, Any]], max_new_tokens: int) 
     return [price_total.reward(r, f) for r, f in zip(rows, finals, strict=True)]
 
 
-class ToolHeldOut:
-    """The shared evaluation of LoRA snapshots on the tool task: the warm-started model with PEFT adapters, each
-    snapshot's adapter tensors loaded in turn, `play` on the env's first `n` held-out questions."""
+class ToolHeldOut(LoraHeldOut):
+    """The shared evaluation of LoRA snapshots on the tool task: `LoraHeldOut` (each snapshot's adapter tensors
+    loaded in turn), scoring by `play` on the env's first `n` held-out questions."""
 
     def __init__(self, model_dir: Path, env: Any, n: int, threads: int, max_new_tokens: int) -> None:
-        from astratk.models.loading import load_causal_lm, load_tokenizer
-        from astratk.models.lora import adapter_state, add_lora
-        from astratk.spec import LoraSpec
-
-        self.model = add_lora(load_causal_lm(str(model_dir)), LoraSpec(**LORA), "lora")
+        super().__init__(model_dir, env, n, threads, max_new_tokens)
         self.model.eval()
-        self.tok = load_tokenizer(model_dir)
         self.rows = [row_of(t) for t in list(env.tasks("heldout"))[:n]]
-        self.threads, self.max_new_tokens = threads, max_new_tokens
-        self.initial_state = adapter_state(self.model)
-        self.seconds = 0.0
 
-    def __call__(self, state: dict[str, Any]) -> float:
-        from _vs_trl_eval import torch_threads
-        from peft import set_peft_model_state_dict
-
-        t = time.perf_counter()
-        result = set_peft_model_state_dict(self.model, state)
-        if getattr(result, "unexpected_keys", None):
-            raise RuntimeError(f"snapshot does not fit the adapters: unexpected {result.unexpected_keys[:3]}")
-        with torch_threads(self.threads):
-            rewards = play(self.model, self.tok, self.rows, self.max_new_tokens)
-        self.seconds += time.perf_counter() - t
+    def accuracy(self) -> float:
+        rewards = play(self.model, self.tok, self.rows, self.max_new_tokens)
         return sum(rewards) / len(rewards)
 
 

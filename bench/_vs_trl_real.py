@@ -59,16 +59,21 @@ class LoraHeldOut:
         from _vs_trl_eval import torch_threads
         from peft import set_peft_model_state_dict
 
-        from astratk.models.warm_start import heldout_accuracy
-
         t = time.perf_counter()
         result = set_peft_model_state_dict(self.model, state)
         if getattr(result, "unexpected_keys", None):
             raise RuntimeError(f"snapshot does not fit the adapters: unexpected {result.unexpected_keys[:3]}")
         with torch_threads(self.threads):
-            accuracy, _, _ = heldout_accuracy(self.model, self.tok, self.env, max_tasks=self.n,
-                                              max_new_tokens=self.max_new_tokens)
+            accuracy = self.accuracy()
         self.seconds += time.perf_counter() - t
+        return accuracy
+
+    def accuracy(self) -> float:
+        """The held-out accuracy of the adapters loaded now: greedy answers to the env's first `n` held-out tasks."""
+        from astratk.models.warm_start import heldout_accuracy
+
+        accuracy, _, _ = heldout_accuracy(self.model, self.tok, self.env, max_tasks=self.n,
+                                          max_new_tokens=self.max_new_tokens)
         return accuracy
 
 
