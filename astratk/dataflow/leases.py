@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -271,9 +272,14 @@ class LeaseBook:
         return len(out)
 
     def metrics(self) -> dict[str, float]:
-        return {**{k: float(v) for k, v in self.counts.items()},
-                "data/leases_outstanding": float(len(self._out)),
-                "data/leases_waiting_reissue": float(len(self._waiting))}
+        out = {**{k: float(v) for k, v in self.counts.items()},
+               "data/leases_outstanding": float(len(self._out)),
+               "data/leases_waiting_reissue": float(len(self._waiting))}
+        if self._out and math.isfinite(self.timeout_s):  # how long the oldest lease out has been out (since issued)
+            now = self._clock()
+            out["data/oldest_lease_s"] = max(0.0, max(now - (lease.deadline - self.timeout_s)
+                                                      for lease in self._out.values()))
+        return out
 
 
 def _lease_number(lease_id: str) -> int:

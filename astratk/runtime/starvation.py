@@ -6,7 +6,9 @@ no batch served for that long) it prints one line with what the rollouts of that
 dropped by reason, mean reward (and the held-out greedy accuracy where an evaluation has run), truncation, and what
 to change (`astratk.dataflow.learning_signal`). With the defaults the line comes within 25 s of the wait's start and
 again every `repeat_s` seconds while it lasts. No rollout arriving at all is said after `NO_ROLLOUT_S` (engines and
-the first evaluation start meanwhile). Each warning is counted in
+the first evaluation start meanwhile), with what the data layer knows of it: evaluations holding the workers, tasks out
+on the workers for a while (a chunk still generating, the oldest's age and what makes batches come sooner), or no
+task out at all (are the workers alive?). Each warning is counted in
 the run's metrics (`starvation/<policy>/warnings`) and kept in `summary.json` (`starvation`).
 """
 
@@ -145,9 +147,7 @@ class StarvationMonitor:
                        + ("rollout.concurrent_chunks: 2 (an evaluation beside a rollout chunk), " if
                           self.spec.rollout.concurrent_chunks < 2 else "")
                        + "fewer eval.max_tasks or a longer eval.interval_s lets training start sooner"
-                       if evaluating else
-                       "arrived meanwhile: are the rollout workers alive? (a large model's engine can take minutes to "
-                       "load, and evaluations run on the same workers; the workers' log says more)"))
+                       if evaluating else self._nothing_back(metrics)))
         elif not reading.dropped:
             return None  # data arrives and nothing is dropped: rollouts are just slower than training
         else:
@@ -160,6 +160,21 @@ class StarvationMonitor:
         self.warnings.append({"policy": pid, "time": time.time(), "waited_s": round(waited, 1), "line": line})
         self.print(line)
         return line
+
+    def _nothing_back(self, metrics: dict[str, float]) -> str:
+        """Why no rollout arrived, from the data layer's leases: tasks out on the workers for a while mean a chunk
+        still generating (slow rollouts, not dead workers); none out means no worker is asking for work."""
+        r = self.spec.rollout
+        out, oldest = metrics.get("data/leases_outstanding", 0.0), metrics.get("data/oldest_lease_s")
+        if out and oldest is not None:
+            return (f"arrived meanwhile; {out:.0f} tasks are out on the rollout workers, the oldest for {oldest:.0f}s "
+                    f"(a chunk is {r.tasks_per_chunk} tasks x {r.group_size} samples, up to {r.max_new_tokens} "
+                    "tokens per turn): rollouts are still generating, slower than this wait. Batches come sooner "
+                    "with fewer rollout.tasks_per_chunk, fewer rollout.max_new_tokens or more rollout workers; "
+                    f"a task out longer than dataflow.lease_timeout_s is given to another worker")
+        return ("arrived meanwhile and no task is out on a rollout worker: are the rollout workers alive? (a large "
+                "model's engine can take minutes to load, and evaluations run on the same workers; the workers' log "
+                "says more)")
 
     def _waited(self, pid: str, now: float, w: _Window) -> float:
         stream = self.streams.get(pid)

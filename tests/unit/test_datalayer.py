@@ -48,6 +48,9 @@ def test_lease_expires_and_is_reissued_with_same_id():
     assert c.deadline == pytest.approx(20.5)
     m = dl.metrics()
     assert m["data/leases_expired"] == 1 and m["data/leases_reissued"] == 1
+    assert m["data/oldest_lease_s"] == pytest.approx(5.5)  # b, out since 5.0; the re-issued a counts from 10.5
+    clock.now = 12.0
+    assert dl.metrics()["data/oldest_lease_s"] == pytest.approx(7.0)
 
 
 def test_admission_is_idempotent_by_lease():

@@ -189,6 +189,24 @@ def test_no_rollout_while_the_workers_evaluate_is_said_as_such():
     assert "are the rollout workers alive?" in line
 
 
+def test_no_rollout_while_tasks_are_out_says_they_are_still_generating():
+    # SmolLM2's tool agent on 2 cores: the first chunk of 4 tasks x 8 episodes takes ~3 minutes, and the line used to
+    # ask whether the workers were alive
+    dl, stream = FakeDataLayer(), Stream()
+    spec = RunSpec(policies=[PolicySpec()], rollout=RolloutSpec(max_new_tokens=96, tasks_per_chunk=4, group_size=8))
+    mon = StarvationMonitor(spec, dl, lambda line: None, streams={"main": stream})
+    mon.check(0.0)
+    stream.waiting_since = 0.0
+    dl.m.update({"data/leases_outstanding": 4.0, "data/oldest_lease_s": 75.0})
+    [line] = mon.check(61.0)
+    assert "4 tasks are out on the rollout workers, the oldest for 75s" in line and "alive?" not in line
+    assert "4 tasks x 8 samples, up to 96 tokens per turn" in line and "fewer rollout.tasks_per_chunk" in line
+    dl.m.update({"data/leases_outstanding": 0.0})
+    del dl.m["data/oldest_lease_s"]
+    [line] = mon.check(122.0)
+    assert "no task is out on a rollout worker: are the rollout workers alive?" in line
+
+
 def test_a_run_whose_first_chunks_were_all_too_long_is_ended_once():
     # rollout.tasks_per_chunk 8, one rollout worker: the first 2 chunks = 16 tasks. Until then, or once any task
     # completes normally, or once any group arrives, the run goes on.
