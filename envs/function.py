@@ -10,7 +10,8 @@ Reward functions use TRL's calling convention, so functions written for `GRPOTra
 dataset column arrives as a keyword argument holding one value per completion. Completions are strings for string
 prompts and `[{"role": "assistant", "content": text}]` for chat prompts. As in TRL, a reward model can stand
 beside the functions: a directory or Hub id string, or a loaded `AutoModelForSequenceClassification` (one score per
-sequence), run on the rollout worker in batches (`astratk.envs.reward_model`). A function without `**kwargs` gets only the
+sequence), run on the rollout worker in batches (`astratk.envs.reward_model`); so can an LLM judge asked over an
+OpenAI-compatible endpoint (`astratk.envs.judge.Judge`). A function without `**kwargs` gets only the
 arguments it names. `None` means "this function does not apply to this completion": the reward is the weighted sum of
 the values that are not None (`reward_weights`, default 1 each), and a completion no function scores gets no reward
 (dropped and counted by the data layer). Each function's mean shows in the run's metrics as `reward/<name>`.
@@ -141,8 +142,8 @@ class FunctionEnv(DatasetEnv):
     # ------------------------------------------------------------------------------------------------ rewards
     def _call(self, i: int, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
               columns: dict[str, list[Any]]) -> tuple[list[float | None], list[dict[str, float]]]:
-        """Function `i`'s values for the completions, and per completion what it cost (reward models: tokens read
-        and milliseconds, as `reward_model/<name>/tokens` and `.../ms`; functions: nothing)."""
+        """Function `i`'s values for the completions, and per completion what it cost (a reward model or a judge,
+        through its `scored` method: `reward_model/<name>/...`, `judge/<name>/...`; plain functions: nothing)."""
         f, name = self._funcs[i], self.reward_names[i]
         costs: list[dict[str, float]] = [{} for _ in completions]
         kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns,
@@ -158,10 +159,9 @@ class FunctionEnv(DatasetEnv):
                 raise TypeError(f"reward function {name!r} needs {missing}, which is neither a dataset column "
                                 f"({sorted(columns)}) nor one of prompts/completions/completion_ids")
             kwargs = {k: v for k, v in kwargs.items() if k in params}
-        if isinstance(f, RewardModel):
-            out, tokens, seconds = f.score(prompts, completions)
-            costs = [{f"reward_model/{name}/tokens": float(t),
-                      f"reward_model/{name}/ms": 1e3 * seconds / max(1, len(tokens))} for t in tokens]
+        scored = getattr(f, "scored", None)
+        if callable(scored):  # a reward model or a judge: values and what each one cost
+            out, costs = scored(**kwargs)
         else:
             out = f(**kwargs)
         if inspect.isawaitable(out):
