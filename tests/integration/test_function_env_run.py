@@ -108,3 +108,42 @@ env:
     [cost] = [v for v in ds.data_vars if "reward_model_tiny_rm_ms_mean" in v]  # what scoring cost, per completion
     assert (ds[cost].values[~np.isnan(ds[cost].values)] > 0).any()
     assert (tmp_path / "runs").exists()
+
+
+def test_a_judge_on_an_openai_endpoint_scores_from_the_rollout_worker(tmp_path):
+    """A judge served over HTTP (a scripted engine behind astratk's endpoint in this process) asked by the run's
+    Dask rollout worker process while it scores each group: its verdicts are the reward, its costs are metrics."""
+    pytest.importorskip("aiohttp")
+    import astratk
+    from astratk.engines.scripted import ScriptedEngine
+    from astratk.envs.function import FunctionEnv
+    from astratk.envs.judge import Judge
+    from astratk.quick import smoke
+    from astratk.rollout.openai_api import OpenAIEndpoint
+    from astratk.spec import PolicySpec, RunSpec
+    from tests.unit.test_judge import END, TOK
+
+    asked = []
+
+    def verdict(prompt, params):  # a strict judge: a reply that ends in the reference is right
+        text = TOK.decode(prompt)
+        asked.append(text)
+        said, reference = text.split("said: ")[-1].split(" | reference: ")
+        right = said.strip() and said.split()[-1] == reference.split()[0]
+        return TOK("yes" if right else "no", add_special_tokens=False)["input_ids"] + [END]
+
+    rows = [{"prompt": f"{a} + {b} =", "answer": str(a + b)} for a in range(20) for b in range(20)]
+    with OpenAIEndpoint(ScriptedEngine(TOK, verdict), model="judge") as ep:
+        judge = Judge(ep.base_url, "judge", parse="verdict", name="strict",
+                      template="{prompt} said: {completion} | reference: {answer}")
+        env = FunctionEnv(rows, judge, demonstration_column="answer", heldout=16)
+        spec = smoke(RunSpec(name="judge", output_dir=str(tmp_path / "runs"), env=env, policies=[PolicySpec()]),
+                     steps=2, cache_dir=str(tmp_path / "cache"))
+        result = astratk.Run(spec, printer=lambda s: None).start()
+    assert result.summary["steps"] == 2 and len(asked) >= 2 * 4 * 4  # 2 steps of 4 groups of 4, at least
+    ds = result.metrics()
+    [errors] = [v for v in ds.data_vars if "judge_strict_errors_mean" in v]
+    assert np.nanmax(ds[errors].values) == 0.0
+    [rewards] = [v for v in ds.data_vars if "reward_strict_mean" in v]
+    seen = ds[rewards].values[~np.isnan(ds[rewards].values)]
+    assert seen.size and ((seen >= 0) & (seen <= 1)).all()
