@@ -132,7 +132,7 @@ class Judge:
 
     def messages(self, prompt: Any, completion: Any, columns: dict[str, Any]) -> list[dict[str, str]]:
         """The judge's request for one completion."""
-        values = {**{k: v for k, v in columns.items()}, "prompt": _text(prompt), "completion": _text(completion)}
+        values = {**columns, "prompt": _text(prompt), "completion": _text(completion)}
         missing = [f for f in self.fields if f not in values]
         if missing:
             raise ValueError(f"Judge {self.__name__!r}: its template names {missing}, which is neither a dataset "

@@ -168,19 +168,12 @@ class RewardModel:
         return out
 
     def __call__(self, prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
-        return self.score(prompts, completions)[0]
+        return self.scored(prompts, completions)[0]
 
     def scored(self, prompts: list[Any], completions: list[Any], **_: Any
                ) -> tuple[list[float], list[dict[str, float]]]:
-        """The scores, and per completion what it cost (`reward_model/<name>/tokens` and `.../ms`): what
-        `FunctionEnv` calls to put both in the run's metrics."""
-        scores, tokens, seconds = self.score(prompts, completions)
-        name = self.__name__
-        return scores, [{f"reward_model/{name}/tokens": float(t),
-                         f"reward_model/{name}/ms": 1e3 * seconds / max(1, len(tokens))} for t in tokens]
-
-    def score(self, prompts: list[Any], completions: list[Any]) -> tuple[list[float], list[int], float]:
-        """(the score of each pair, the tokens the model read for each, the seconds the call took)."""
+        """The score of each pair, and per completion what it cost (`reward_model/<name>/tokens`: tokens read, and
+        `.../ms`: its share of the call's time): what `FunctionEnv` calls to put both in the run's metrics."""
         import torch
 
         model, tok = self._load()
@@ -218,4 +211,6 @@ class RewardModel:
         self.calls += 1
         self.sequences += len(rows)
         self.seconds += seconds
-        return scores, [len(r) for r in rows], seconds
+        ms = 1e3 * seconds / max(1, len(rows))
+        return scores, [{f"reward_model/{self.__name__}/tokens": float(len(r)),
+                         f"reward_model/{self.__name__}/ms": ms} for r in rows]

@@ -8,28 +8,19 @@ once, ~5 minutes here); this part costs seconds. Needs the `bench` extra (trl)."
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from astratk.envs import price_total
 from astratk.models.chat import encode_chat
 from astratk.rollout.openai_format import _tool_calls
+from tests._bench import bench_module
 
 pytestmark = [pytest.mark.integration, pytest.mark.realmodel]
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 @pytest.fixture(scope="module")
 def agent_bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import _vs_trl_agent
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return _vs_trl_agent
+    return bench_module("_vs_trl_agent")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._bench import bench_module
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,11 +52,8 @@ def test_the_quick_run_measures_both_sides(tmp_path):
 
 
 def test_snapshot_marks_are_dense_at_the_start_when_asked():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from vs_trl import marks_for, parse_args
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    vs_trl = bench_module("vs_trl")
+    marks_for, parse_args = vs_trl.marks_for, vs_trl.parse_args
     assert marks_for(20, 5) == [5.0, 10.0, 15.0, 20.0]
     assert marks_for(12, 5) == [5.0, 10.0, 12.0]  # the end of training is always a mark
     assert marks_for(20, 5, 3, 1) == [1.0, 2.0, 3.0, 5.0, 10.0, 15.0, 20.0]

@@ -2,22 +2,15 @@
 at least one of the c right ones."""
 
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._bench import bench_module
 
 
 @pytest.fixture(scope="module")
 def pass_at_k():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from pass_at_k import pass_at_k
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return pass_at_k
+    return bench_module("pass_at_k").pass_at_k
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
