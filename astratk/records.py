@@ -385,3 +385,5 @@ class LeaseResult:
     # why the task was dropped before generation ("prompt_too_long": its prompt does not fit the model's context):
     # the data layer drops it, counted with its id, and never re-issues it (every attempt would end alike)
     dropped: str | None = None
+    # seconds of its chunk in which the worker's engines also ran on threads a waiting trainer lent (`idle_cores`)
+    lent_s: float = 0.0

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from astratk import idle_cores
 from astratk.contracts import Completion, GenerationRequest
 from astratk.engines.torch_kvcache import new_cache
 from astratk.engines.torch_lora_mix import MixedLora
@@ -275,6 +276,15 @@ def _steps(batch: _Batch, version: int, stats: dict[str, Any], weight_updates: s
            take_loads: Callable[[], int | None]) -> tuple:
     """`decode`'s loop: the prefill, then sample and forward one token at a time, taking loads where due."""
     clock = _Clock(stats)  # where the batch's time goes (`stats`)
+    idle_cores.adjust()  # this thread's torch threads: its own, plus a waiting trainer's (`astratk.idle_cores`)
+    try:
+        return _decode_steps(batch, version, stats, weight_updates, take_loads, clock)
+    finally:
+        idle_cores.settle()
+
+
+def _decode_steps(batch: _Batch, version: int, stats: dict[str, Any], weight_updates: str,
+                  take_loads: Callable[[], int | None], clock: _Clock) -> tuple:
     logits = batch.prefill()
     clock.lap("prefill_s")
     pacing = InflightPacing(weight_updates)
@@ -296,6 +306,7 @@ def _steps(batch: _Batch, version: int, stats: dict[str, Any], weight_updates: s
                 stats["recompute_s"] += pacing.recomputed(started)
                 clock.lap("prefill_s")
                 continue
+        idle_cores.adjust()
         logits = batch.forward(tok, step)
         pacing.forwarded()
         clock.lap("forward_s")

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from astratk import idle_cores
 from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams
 from astratk.engines import build_engine
 from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory, opened
@@ -91,7 +92,10 @@ class RolloutService:
         self._too_long = 0  # tasks this service dropped before generation (their log lines thin out)
         from astratk import cpu
 
-        torch.set_num_threads(_threads_here(ctx))
+        threads = _threads_here(ctx)
+        torch.set_num_threads(threads)
+        if idle_cores.lends(self.spec):  # a trainer on this host lends its cores while it waits for a batch
+            idle_cores.install(idle_cores.run_dir_for(ctx.run_id), own=threads, cap=cpu.cores())
         cpu.set_linear_backend(ctx.cpu_linear or self.spec.cluster.cpu_linear)  # the driver's choice when it made one
         _quiet_transformers()
         self.env: Env = self.spec.env
@@ -235,10 +239,13 @@ class RolloutService:
         hardware, slowdown = worker_hardware()
         stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
         poll = self.spec.rollout.poll_s
-        if poll is None:
-            return run_episodes(self._rollout_all(leases, stamp, slowdown))
-        with WeightWatcher(self, policies, poll):  # newer versions load while the chunk runs
-            return run_episodes(self._rollout_all(leases, stamp, slowdown))
+        lender = idle_cores.lender()
+        lent_before = lender.borrowed_s if lender is not None else 0.0
+        with WeightWatcher(self, policies, poll) if poll is not None else contextlib.nullcontext():
+            results = run_episodes(self._rollout_all(leases, stamp, slowdown))  # newer versions load meanwhile
+        if lender is not None and (lent := lender.borrowed_s - lent_before) > 0:
+            results = [dataclasses.replace(r, lent_s=lent) for r in results]
+        return results
 
     async def _rollout_all(self, leases: Sequence[Lease], stamp: dict, slowdown: float) -> list[LeaseResult]:
         lock = None

@@ -57,11 +57,13 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
         seconds += res.seconds
         s = services.setdefault(res.service, {"hardware": res.hardware, "leases": 0.0, "groups_admitted": 0.0,
                                               "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0,
-                                              "lags": [], "versions": [], "synced_versions": res.synced_versions})
+                                              "lags": [], "versions": [], "synced_versions": res.synced_versions,
+                                              "lent_s": 0.0})
         s["leases"] += 1
         s["groups_admitted"] += out.admitted
         s["duplicates"] += out.duplicate
         s["seconds"] = max(s["seconds"], res.seconds)  # a chunk's leases run concurrently: its time is the longest
+        s["lent_s"] = max(s["lent_s"], res.lent_s)  # the chunk's, on every lease
         for g in res.groups:
             s["samples"] += len(g.trajectories)
             s["tokens"] += sum(sum(t.loss_mask) for t in g.trajectories)

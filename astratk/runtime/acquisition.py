@@ -167,6 +167,8 @@ class ServiceStats:
     - tasks, groups, samples, tokens (policy-generated completion tokens), duplicates (admissions ignored because
       the lease was already admitted: a re-run chunk);
     - busy_s: summed chunk time (a chunk's leases run concurrently, so a chunk counts its longest lease);
+    - lent_s: the part of busy_s in which the service's engines also ran on threads that a waiting trainer on its
+      host lent (`astratk.idle_cores`);
       tasks_per_s, tokens_per_s = tasks / busy_s, tokens / busy_s: the service's speed while it works;
     - version_lag_mean / _max: the policy's version at admission minus the group's version;
     - first_version: the lowest version in the service's first admitted chunk; first_synced_version: the version its
@@ -186,7 +188,8 @@ class ServiceStats:
                     synced = c.get("synced_versions") or {}
                     row = self._rows[name] = {
                         "hardware": str(c.get("hardware", "default")), "tasks": 0.0, "groups_admitted": 0.0,
-                        "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "busy_s": 0.0, "lag_sum": 0.0,
+                        "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "busy_s": 0.0, "lent_s": 0.0,
+                        "lag_sum": 0.0,
                         "lag_n": 0.0, "version_lag_max": 0.0,
                         "first_version": float(min(c["versions"])) if c.get("versions") else -1.0,
                         "first_synced_version": float(min(synced.values())) if synced else -1.0}
@@ -196,6 +199,7 @@ class ServiceStats:
                 row["samples"] += c["samples"]
                 row["tokens"] += c["tokens"]
                 row["busy_s"] += c["seconds"]
+                row["lent_s"] += c.get("lent_s", 0.0)
                 lags = c.get("lags") or []
                 row["lag_sum"] += sum(lags)
                 row["lag_n"] += len(lags)

@@ -14,11 +14,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+from astratk import idle_cores
 from astratk.runtime.starvation import StarvationMonitor
 from astratk.runtime.trainers import TrainerProcesses, trainer_dir
-from astratk.spec import NothingToTrain
+from astratk.spec import NothingToTrain, RunSpec
 
 DETACHED_TIMEOUT_S = 600.0  # a deployment ends this long after its last trainer ended, if none attached since
 
@@ -53,7 +55,10 @@ def _sigterm_sets(stop: threading.Event) -> Iterator[None]:
 class Drive:
     """`Session`'s run loop and controls; the attributes it reads are set by `Session.__init__` and its set-up."""
 
+    spec: RunSpec
     trainer_threads: int | None = None  # torch threads of the run's trainers (`Session._place_cpu`)
+    rollout_workers_here: int = 0  # rollout workers on this host (a waiting trainer lends them its threads)
+    idle_dir: Path | None = None  # where a waiting trainer says so on this host (`astratk.idle_cores`)
     nothing_to_train: str | None = None  # set when the run finds it cannot train anything (the line that says why)
 
     # --------------------------------------------------------------------------- pause/resume
@@ -198,6 +203,8 @@ class Drive:
 
         procs = TrainerProcesses(self.spec, self.run_dir, self.deployment_name,
                                  self.client.scheduler.address, self.print, threads=self.trainer_threads,
+                                 lend=idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0,
+                                                                 self.rollout_workers_here),
                                  environ=tls_environ(getattr(self.cluster, "tls", None)))
         return procs.run
 
@@ -209,6 +216,8 @@ class Drive:
         _quiet_lightning()
         model_path = self.model_paths[policy_id]
         stream = build.group_stream(self.spec, policy_id, self.deployment.datalayer, model_path)
+        lend = idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0, self.rollout_workers_here)
+        stream.idle_marker = idle_cores.IdleMarker(self.idle_dir, lend) if lend and self.idle_dir else None
         self.stream = stream
         feed = self._autoscale_feed(policy_id, stream) if self.autoscale else None
         trainer = build.build_trainer(

@@ -21,6 +21,7 @@ The run loop is `astratk.runtime.drive`, the wrap-up (evaluations, collected row
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from astratk import idle_cores
 from astratk.models import ensure_model
 from astratk.models.tools import tool_status
 from astratk.records import Drop, RunContext
@@ -120,6 +122,8 @@ class Session(Drive, WrapUp, LiveMetrics):
                          store_url=store_url, cpu_linear=cpu.linear_backend(),  # one choice for every process
                          rollout_threads=rollout_threads)
         self._deploy(ctx)
+        self.idle_dir = idle_dir = idle_cores.run_dir_for(ctx.run_id)  # a waiting trainer lends its cores here
+        self._on_exit(lambda: shutil.rmtree(idle_dir, ignore_errors=True))
         workers = len(self.client.scheduler_info()["workers"])
         dashboard = self.client.dashboard_link if self.spec.cluster.dashboard else "off"
         kept = ", kept warm by the previous run" if self.cluster_reused else ""
@@ -146,6 +150,7 @@ class Session(Drive, WrapUp, LiveMetrics):
         plan = cpu.run_threads(self.spec)
         torch.set_num_threads(plan.trainer)
         self.trainer_threads = plan.trainer
+        self.rollout_workers_here = self.spec.cluster.local_rollout_workers()  # a cluster of your own: counted later
         cpu.set_linear_backend(self.spec.cluster.cpu_linear)
         linear = cpu.linear_backend()
         speed = cpu.onednn_speedup() if self.spec.cluster.cpu_linear == "auto" else None
@@ -155,7 +160,12 @@ class Session(Drive, WrapUp, LiveMetrics):
             self.print(bf16)
         if not self._plan_per_host():  # else said once the cluster's workers are known (`_place_cpu_on_cluster`)
             self.print(f"CPU: torch threads trainer {plan.trainer}, each rollout worker {plan.rollout} "
-                       f"({plan.reason}); {self._linear_line}")
+                       f"({plan.reason}{self._lend_words()}); {self._linear_line}")
+
+    def _lend_words(self) -> str:
+        lend = idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0, self.rollout_workers_here)
+        return (f"; while a trainer waits for data, each rollout worker on its host runs {lend} more "
+                "(cluster.lend_idle_cores)") if lend else ""
 
     def _plan_per_host(self) -> bool:
         c = self.spec.cluster
@@ -174,9 +184,12 @@ class Session(Drive, WrapUp, LiveMetrics):
                                                       synchronous=self.spec.dataflow.synchronous)
         torch.set_num_threads(trainer)
         self.trainer_threads = trainer
+        here = cpu.host_facts().host
+        self.rollout_workers_here = sum(f.host == here for f in facts.values())
         each = sorted(set(threads.values()))
         said = "/".join(map(str, each)) if each else "-"
-        self.print(f"CPU: torch threads trainer {trainer}, each rollout worker {said} ({why}); {self._linear_line}")
+        self.print(f"CPU: torch threads trainer {trainer}, each rollout worker {said} ({why}{self._lend_words()}); "
+                   f"{self._linear_line}")
         return threads
 
     def _build_models(self) -> None:

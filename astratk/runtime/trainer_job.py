@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
+from astratk import idle_cores
 from astratk.config import load_spec
 from astratk.runtime import registry
 from astratk.runtime.cluster import open_client, security
-from astratk.runtime.trainers import TRAINER_THREADS_ENV
+from astratk.runtime.trainers import TRAINER_LEND_ENV, TRAINER_THREADS_ENV
 from astratk.spec import StartError
 from astratk.spec.cluster import dask_config_has_tls
 from astratk.training import build
@@ -165,6 +166,9 @@ class DeploymentData(RolloutDataModule):
             start_step=self._start_step, max_steps=max_steps,
             rank=trainer.global_rank if trainer is not None else 0,
             world_size=trainer.world_size if trainer is not None else 1)
+        lend = os.environ.get(TRAINER_LEND_ENV, "")  # started by a run on this host: lend while waiting
+        if lend.isdigit() and int(lend) > 0:
+            self.stream.idle_marker = idle_cores.IdleMarker(idle_cores.run_dir_for(self.info.ctx.run_id), int(lend))
 
     def state_dict(self) -> dict[str, Any]:
         if self.stream is None:

@@ -29,14 +29,16 @@ def trainer_dir(run_dir: str | Path, policy_id: str) -> Path:
 
 
 TRAINER_THREADS_ENV = "ASTRATK_TRAINER_THREADS"  # a run's trainer processes take its planned torch threads
+TRAINER_LEND_ENV = "ASTRATK_TRAINER_LEND"  # ... and lend that many to each rollout worker on their host while waiting
 
 
 class TrainerProcesses:
     def __init__(self, spec: Any, run_dir: Path, deployment: str, scheduler: str,
                  printer: Callable[[str], None] = print, startup_timeout_s: float | None = None,
-                 threads: int | None = None, environ: dict[str, str] | None = None) -> None:
+                 threads: int | None = None, environ: dict[str, str] | None = None, lend: int = 0) -> None:
         self.spec, self.run_dir, self.deployment, self.scheduler = spec, Path(run_dir), deployment, scheduler
         self.threads = threads  # each trainer process's torch threads (the run's plan); None: `cpu.run_threads`
+        self.lend = lend  # threads each lends to every rollout worker on this host while it waits for a batch
         self.environ = dict(environ or {})  # added to their environment (a local cluster's TLS credentials)
         self.print = printer
         self.startup_timeout_s = startup_timeout_s or spec.cluster.startup_timeout_s
@@ -55,7 +57,7 @@ class TrainerProcesses:
 
         threads = str(self.threads or run_threads(self.spec).trainer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-               TRAINER_THREADS_ENV: threads, **self.environ}
+               TRAINER_THREADS_ENV: threads, TRAINER_LEND_ENV: str(self.lend), **self.environ}
         for p in self.spec.policies:
             pid = p.policy_id
             trainer_dir(self.run_dir, pid).mkdir(parents=True, exist_ok=True)

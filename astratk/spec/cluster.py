@@ -134,6 +134,10 @@ class ClusterSpec(Section):
     """torch threads per process. auto: from the cores this process may use and the run's placement: the trainer and
     the rollout workers split the cores when they work at once (asynchronous mode), each gets them all when they take
     turns (synchronous mode); the run prints its choice (`astratk.cpu.plan_threads`). An integer: every process."""
+    lend_idle_cores: bool = True
+    """with `torch_threads: auto` in the asynchronous mode: while a trainer waits for a batch, the rollout workers on
+    its host run on its threads too, and give them back at their next decode step once it has its batch
+    (`astratk.idle_cores`)"""
     cpu_linear: str = "auto"
     """The kernel behind nn.Linear on CPU, in every process: torch (its BLAS), onednn (oneDNN, inside torch), or auto:
     oneDNN where a start-up micro-benchmark finds it >= 15% faster (measured 2.2x on this project's AMD CI machines,

@@ -18,6 +18,7 @@ it, so nothing trains or publishes for that step. Under data parallelism every r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from astratk.dataflow.client import BatchTimeout, DataLayerClient
 from astratk.dataflow.drops import starvation_reason
+from astratk.idle_cores import IdleMarker
 from astratk.records import TrainBatch
 from astratk.training._pl import pl
 from astratk.training.collate import collate
@@ -70,6 +72,9 @@ class GroupStream(IterableDataset):
         # a file whose appearance ends a wait for a batch (the run asked its trainers to stop: `Run.stop()`, or a run
         # that found it has nothing to train); set by `build.callbacks` to the trainer's STOP file
         self.stop_file: Path | None = None
+        # held while waiting for a batch: the rollout workers on this host may use this trainer's cores meanwhile
+        # (`astratk.idle_cores`); set by the run that starts the trainer, None: lend nothing
+        self.idle_marker: IdleMarker | None = None
 
     def __iter__(self) -> Iterator[StepTicket]:
         step = self.start_step
@@ -83,7 +88,8 @@ class GroupStream(IterableDataset):
         start = time.perf_counter()
         self.waiting_since = time.monotonic()
         try:
-            groups = self._wait(ticket.step, time_left)
+            with self.idle_marker.waiting() if self.idle_marker is not None else contextlib.nullcontext():
+                groups = self._wait(ticket.step, time_left)
         finally:
             self.waiting_since = None
             self.last_wait_s = time.perf_counter() - start

@@ -257,7 +257,7 @@ def test_the_cycle_finder_reports_each_edge_of_a_cycle():
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("base: contracts, records, the registry, machine facts", (
         "astratk._lazy", "astratk._version", "astratk._addons", "astratk.registry", "astratk.records",
-        "astratk.contracts", "astratk.coerce", "astratk.cpu", "astratk.gpu")),
+        "astratk.contracts", "astratk.coerce", "astratk.cpu", "astratk.idle_cores", "astratk.gpu")),
     ("stores: the data layer, the weight store, the metrics file", (
         "astratk.dataflow", "astratk.weights", "astratk.metrics", "astratk.viz")),
     ("configuration: the spec and its YAML", ("astratk.spec", "astratk.config")),
