@@ -96,6 +96,8 @@ class RolloutService:
         torch.set_num_threads(threads)
         if idle_cores.lends(self.spec):  # a trainer on this host lends its cores while it waits for a batch
             idle_cores.install(idle_cores.run_dir_for(ctx.run_id), own=threads, cap=cpu.cores())
+        else:  # not an earlier run's lender (a worker kept warm for the next run)
+            idle_cores.uninstall()
         cpu.set_linear_backend(ctx.cpu_linear or self.spec.cluster.cpu_linear)  # the driver's choice when it made one
         _quiet_transformers()
         self.env: Env = self.spec.env
