@@ -22,6 +22,11 @@
    parallel state; closing one (`EngineCore.shutdown` -> `cleanup_dist_env_and_memory`) tears it down under the
    others ("pipeline model parallel group is not initialized"). `shutdown_engine_core` skips that clean-up unless
    the engine is the last one alive in the process.
+7. Chatter. An engine's start writes some twenty lines to the process's stdout and stderr: vLLM's own warnings (its
+   logger writes to stdout), torch's C++ warnings (NUMA binding), library deprecations and progress bars, and vLLM
+   keeps logging to stdout while it serves. `chatter_to(path)` sends the process's file descriptors 1 and 2 to a log
+   file while the engine starts, and `vllm_logs_to(path)` sends vLLM's logger there for good; the engine then says
+   in one line where they are.
 6. vLLM's CPU start-up rebinds Triton kernel references by scanning every module in `sys.modules` and reading
    `vars(value)` of every attribute. llvmlite's `ffi.lib` (imported with numba, e.g. by bm25s) answers any attribute,
    `__dict__` included, with a C-function wrapper, so the scan fails ("'_lib_fn_wrapper' object has no attribute
@@ -186,3 +191,56 @@ def tolerate_module_scan() -> None:
 
     no_dunders._astratk = True  # type: ignore[attr-defined]
     wrapper.__getattr__ = no_dunders
+
+
+def chatter_log() -> str:
+    """Where this process's vLLM engines write what vLLM, torch and their dependencies print (trap 7):
+    $ASTRATK_VLLM_LOG, else a file named after the process in the temporary directory."""
+    import tempfile
+
+    return os.environ.get("ASTRATK_VLLM_LOG") or os.path.join(tempfile.gettempdir(), f"astratk-vllm-{os.getpid()}.log")
+
+
+@contextlib.contextmanager
+def chatter_to(path: str) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C++ and logging output too) to `path`
+    while the block runs (trap 7). Other threads' output in that time goes there as well."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
+
+
+def vllm_logs_to(path: str) -> None:
+    """vLLM's logger writes to `path` instead of the terminal from now on (trap 7); once per process."""
+    logger = logging.getLogger("vllm")
+    if any(isinstance(h, logging.FileHandler) and h.baseFilename == os.path.abspath(path) for h in logger.handlers):
+        return
+    for h in list(logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            logger.removeHandler(h)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+def count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0

@@ -87,6 +87,8 @@ class VLLMEngine(ServingLoop, WeightLoads, LoraAdapters):
         >>> engine.close()  # doctest: +SKIP
     """
 
+    startup_s: float = 0.0  # seconds from the serving thread's start until vLLM served
+
     def __init__(self, model_path: str | os.PathLike, *, max_batch: int = 256, dtype: str = "float32",
                  version: int = 0, seed: int = 0, max_model_len: int | None = None,
                  kv_cache_bytes: int | None = None, enforce_eager: bool | None = None,
@@ -103,7 +105,26 @@ class VLLMEngine(ServingLoop, WeightLoads, LoraAdapters):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"VLLMEngine: no HF model directory at {path!r} (config.json missing)")
         compat.check_single_process(engine_args)
-        self._vllm = compat.import_vllm()
+        self.chatter_log = compat.chatter_log()  # what vLLM and torch print while it starts and serves (trap 7)
+        before = compat.count_lines(self.chatter_log)
+        try:
+            with compat.chatter_to(self.chatter_log):
+                self._vllm = compat.import_vllm()
+                self._set_up(path, max_batch, dtype, version, seed, max_model_len, kv_cache_bytes, enforce_eager,
+                             enable_prefix_caching, keep_host_weights, start_timeout_s, load_timeout_s, max_lora_rank,
+                             max_loras, engine_args)
+                compat.vllm_logs_to(self.chatter_log)  # after the start, which configures vLLM's logging anew
+        except Exception as e:
+            e.add_note(f"vLLM's and torch's messages from this start: {self.chatter_log}")
+            raise
+        said = compat.count_lines(self.chatter_log) - before
+        print(f"vLLM engine for {path!r} started in {self.startup_s:.0f}s; {said} lines of vLLM's and "
+              f"torch's start-up messages are in {self.chatter_log}", flush=True)
+
+    def _set_up(self, path: str, max_batch: int, dtype: str, version: int, seed: int,
+                max_model_len: int | None, kv_cache_bytes: int | None, enforce_eager: bool | None,
+                enable_prefix_caching: bool, keep_host_weights: bool, start_timeout_s: float, load_timeout_s: float,
+                max_lora_rank: int | None, max_loras: int, engine_args: dict[str, Any]) -> None:
         self._path, self._dtype, self._version, self._load_timeout = path, dtype, version, load_timeout_s
         with open(os.path.join(path, "config.json")) as f:
             self._config = json.load(f)

@@ -522,3 +522,28 @@ def test_engine_that_fails_to_start_names_the_cause(tmp_path, models, tok):
 def test_nan_free_and_finite(engine, tok):
     for c in run(engine, greedy(tok, n=8)):
         assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+
+
+def test_an_engine_start_says_one_line_and_keeps_vllms_messages_in_its_log(dirs, tmp_path):
+    """vLLM's warnings (its logger writes to stdout), torch's C++ warnings and progress bars go to the engine's log
+    file; the terminal gets one line naming it. In a fresh process, whose file descriptors 1 and 2 are the pipes."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "vllm.log"
+    code = ("import asyncio\n"
+            "from astratk.engines import build_engine\n"
+            "from astratk.contracts import GenerationRequest, SamplingParams\n"
+            f"e = build_engine('vllm', {dirs[0]!r}, max_batch=8)\n"
+            "asyncio.run(e.generate([GenerationRequest((5, 6, 7), SamplingParams(max_tokens=4, temperature=0.0))]))\n"
+            "from vllm.logger import init_logger\n"
+            "init_logger('vllm.serving').warning('said while serving')\n"
+            "e.close()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ASTRATK_VLLM_LOG": str(log)}, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(said) == 1 and str(log) in said[0] and "started in" in said[0], said
+    kept = log.read_text()
+    assert "WARNING" in kept  # vLLM says several things at start on any machine (seeds, eager mode, CPU backend)
+    assert "said while serving" in kept  # its logger keeps writing there after the start
