@@ -40,6 +40,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -196,8 +197,6 @@ def tolerate_module_scan() -> None:
 def chatter_log() -> str:
     """Where this process's vLLM engines write what vLLM, torch and their dependencies print (trap 7):
     $ASTRATK_VLLM_LOG, else a file named after the process in the temporary directory."""
-    import tempfile
-
     return os.environ.get("ASTRATK_VLLM_LOG") or os.path.join(tempfile.gettempdir(), f"astratk-vllm-{os.getpid()}.log")
 
 
