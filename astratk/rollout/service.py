@@ -106,6 +106,10 @@ class RolloutService:
         self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine, or adapter view
         self._bases: dict[str, Engine] = {}  # model directory -> the engine its LoRA policies share
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
+        # rollout.eval_engine shared: policies whose rollout engine an evaluation holds at its version (count), and
+        # one such evaluation at a time
+        self._held: dict[str, int] = {}
+        self._shared_eval = threading.Lock()
         self._engines_lock = threading.Lock()
 
     def engine(self, policy_id: str, purpose: str = "rollout", *, rebuild_broken: bool = False) -> Engine:
@@ -113,10 +117,12 @@ class RolloutService:
         (VLLMEngine's `broken`) is replaced only by `sync` (`rebuild_broken`), which then loads the newest weights
         into the new one: anywhere else it is handed out as is, and its calls fail naming the cause."""
         with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
-            key = (purpose, policy_id)
             lora = self.spec.policy(policy_id).model.lora
             if lora is not None:
                 return self._adapter_engine(policy_id, purpose, lora, rebuild_broken)
+            if purpose == "eval" and self.spec.rollout.shares_eval_engine:
+                purpose = "rollout"  # rollout.eval_engine: shared (`evaluate_versions` holds its version meanwhile)
+            key = (purpose, policy_id)
             broken = getattr(self._engines.get(key), "broken", None)
             if broken is not None and rebuild_broken:
                 warnings.warn(f"rebuilding the {purpose} engine of policy {policy_id!r}: {broken}", stacklevel=3)
@@ -194,6 +200,8 @@ class RolloutService:
         weights) is replaced by the full state, with a warning naming the fix."""
         with self._lock:
             engine = self.engine(policy_id, purpose, rebuild_broken=True)
+            if purpose == "rollout" and self._held.get(policy_id):  # an evaluation on this engine holds its version
+                return engine.version
             if version is not None and (version == engine.version or (purpose == "rollout"
                                                                        and version < engine.version)):
                 return engine.version
@@ -343,6 +351,26 @@ class RolloutService:
 
     def evaluate_versions(self, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
                           ) -> dict[str, float]:
+        """`_evaluate_versions`; with `rollout.eval_engine` shared, the policies' rollout engines hold the evaluated
+        versions until it is done (rollout chunks meanwhile sample from them, each token recording its version), and
+        such evaluations run one at a time."""
+        held = [pid for pid in versions
+                if self.spec.rollout.shares_eval_engine and self.spec.policy(pid).model.lora is None]
+        if not held:
+            return self._evaluate_versions(versions, max_tasks, pass_k)
+        with self._shared_eval:
+            with self._lock:
+                for pid in held:
+                    self._held[pid] = self._held.get(pid, 0) + 1
+            try:
+                return self._evaluate_versions(versions, max_tasks, pass_k)
+            finally:
+                with self._lock:
+                    for pid in held:
+                        self._held[pid] -= 1
+
+    def _evaluate_versions(self, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
+                           ) -> dict[str, float]:
         """Held-out evaluation with each policy of `versions` at its version (None: newest), on separate eval
         engines so rollouts keep their own versions. Roles are routed as in the run (`spec.role_routes()`); a role
         whose policy is not in `versions` is played by the first one given (a single-policy evaluation of a

@@ -410,6 +410,49 @@ def test_service_sync_moves_a_torch_engine_through_deltas_bit_for_bit(tiny_model
     assert engine.version == 5
 
 
+def test_a_shared_evaluation_engine_holds_its_version_until_the_evaluation_ends(tiny_model, tmp_path, monkeypatch):
+    """rollout.eval_engine shared: one engine per policy and worker; an evaluation moves it to the version it
+    evaluates (back to v0 here), rollout syncs leave it there until the evaluation is done, then move it on."""
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
+
+    path, env = tiny_model
+    spec = RunSpec(env=env, rollout=RolloutSpec(eval_engine="shared", max_new_tokens=4)).validate()
+    assert spec.rollout.shares_eval_engine and not RolloutSpec().shares_eval_engine  # auto: torch keeps two
+    assert RolloutSpec(engine="vllm").shares_eval_engine and not RolloutSpec(engine="vllm", weight_lag=1).shares_eval_engine
+    store = WeightStore(f"memory://ws-shared-{tmp_path.name}", full_every=2)
+    from astratk.models.loading import load_causal_lm
+
+    base = {k: v.detach().clone() for k, v in load_causal_lm(path, torch.float32).state_dict().items()}
+    states = [{k: v + 0.01 * i for k, v in base.items()} for i in range(3)]
+    for v, state in enumerate(states):
+        store.publish("main", v, state)
+    service = RolloutService(RunContext("ws-shared", spec, {"main": path}, store.url))
+    assert service.sync("main") == 2
+    engine = service.engine("main")
+    assert service.engine("main", "eval") is engine
+    seen = []
+    real_sync = service.sync
+
+    def sync(policy_id, purpose="rollout", version=None):
+        got = real_sync(policy_id, purpose, version)
+        if purpose == "eval":  # a rollout chunk starts right after the evaluation's load
+            seen.append((got, real_sync(policy_id), engine.version))
+        return got
+
+    monkeypatch.setattr(service, "sync", sync)
+    out = service.evaluate_versions({"main": 0}, max_tasks=2)
+    assert out["version_main"] == 0 and seen == [(0, 0, 0)]  # the rollout sync left the evaluated version in place
+    assert engine.version == 0 and service._held == {"main": 0}
+    assert service.sync("main") == 2 and engine.version == 2  # done: rollouts move on
+    assert_bit_equal({k: t.detach() for k, t in engine._params.items()}, states[2])
+    assert len({id(e) for e in service._engines.values()}) == 1
+    with pytest.raises(ValueError, match="eval_engine: shared needs"):
+        RolloutSpec(eval_engine="shared", weight_lag=1).validate()
+    with pytest.raises(ValueError, match="auto, shared or separate"):
+        RolloutSpec(eval_engine="both").validate()
+
+
 def test_version_0_of_a_model_with_tied_weights_is_its_state_copied_only_where_shared():
     """`publish_initial`'s state: a tensor sharing storage with an earlier one (a tied head) is copied, as safetensors
     needs; the rest go as they are; the published version 0 equals the model's weights bit for bit."""
