@@ -81,13 +81,6 @@ class IdleMarker:
             with contextlib.suppress(OSError):
                 self.path.unlink()
 
-    def close(self) -> None:
-        """Remove the marker (and the run's directory when it is empty)."""
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        with contextlib.suppress(OSError):
-            self.directory.rmdir()
-
 
 def lent_threads(directory: Path) -> int:
     """Threads lent to each rollout worker by the trainers now waiting on this host (markers of live processes)."""
@@ -109,7 +102,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process: alive
-        return True
+        pass
     return True
 
 
@@ -120,7 +113,6 @@ class Lender:
     def __init__(self, directory: Path, own: int, cap: int) -> None:
         self.directory, self.own, self.cap = Path(directory), max(1, own), max(1, cap)
         self.borrowed_s = 0.0  # engine-thread seconds of work run with lent threads (this process, this run)
-        self.changes = 0  # thread-count changes made, over every engine thread
         self._read_at, self._want = -float("inf"), self.own
         self._lock = threading.Lock()
 
@@ -168,7 +160,6 @@ def adjust() -> None:
         _here.since = time.monotonic()
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
-        lender.changes += 1
 
 
 def settle() -> None:

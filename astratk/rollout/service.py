@@ -106,9 +106,9 @@ class RolloutService:
         self._engines: dict[tuple[str, str], Engine] = {}  # (purpose, policy_id) -> engine, or adapter view
         self._bases: dict[str, Engine] = {}  # model directory -> the engine its LoRA policies share
         self._lock = threading.Lock()  # one weight load at a time per engine (AstraFlow: loads are serialised)
-        # rollout.eval_engine shared: policies whose rollout engine an evaluation holds at its version (count), and
-        # one such evaluation at a time
-        self._held: dict[str, int] = {}
+        # rollout.eval_engine shared: the policies whose rollout engine the evaluation now running holds at its version
+        # (such evaluations run one at a time)
+        self._held: set[str] = set()
         self._shared_eval = threading.Lock()
         self._engines_lock = threading.Lock()
 
@@ -120,7 +120,7 @@ class RolloutService:
             lora = self.spec.policy(policy_id).model.lora
             if lora is not None:
                 return self._adapter_engine(policy_id, purpose, lora, rebuild_broken)
-            if purpose == "eval" and self.spec.rollout.shares_eval_engine:
+            if purpose == "eval" and self._shares_eval(policy_id):
                 purpose = "rollout"  # rollout.eval_engine: shared (`evaluate_versions` holds its version meanwhile)
             key = (purpose, policy_id)
             broken = getattr(self._engines.get(key), "broken", None)
@@ -200,7 +200,7 @@ class RolloutService:
         weights) is replaced by the full state, with a warning naming the fix."""
         with self._lock:
             engine = self.engine(policy_id, purpose, rebuild_broken=True)
-            if purpose == "rollout" and self._held.get(policy_id):  # an evaluation on this engine holds its version
+            if purpose == "rollout" and policy_id in self._held:  # an evaluation on this engine holds its version
                 return engine.version
             if version is not None and (version == engine.version or (purpose == "rollout"
                                                                        and version < engine.version)):
@@ -354,20 +354,22 @@ class RolloutService:
         """`_evaluate_versions`; with `rollout.eval_engine` shared, the policies' rollout engines hold the evaluated
         versions until it is done (rollout chunks meanwhile sample from them, each token recording its version), and
         such evaluations run one at a time."""
-        held = [pid for pid in versions
-                if self.spec.rollout.shares_eval_engine and self.spec.policy(pid).model.lora is None]
+        held = {pid for pid in versions if self._shares_eval(pid)}
         if not held:
             return self._evaluate_versions(versions, max_tasks, pass_k)
         with self._shared_eval:
             with self._lock:
-                for pid in held:
-                    self._held[pid] = self._held.get(pid, 0) + 1
+                self._held = held
             try:
                 return self._evaluate_versions(versions, max_tasks, pass_k)
             finally:
                 with self._lock:
-                    for pid in held:
-                        self._held[pid] -= 1
+                    self._held = set()
+
+    def _shares_eval(self, policy_id: str) -> bool:
+        """Whether `policy_id`'s evaluations run on its rollout engine (`rollout.eval_engine`; a LoRA policy's
+        adapters are views on one engine, `_adapter_engine`, either way)."""
+        return self.spec.rollout.shares_eval_engine and self.spec.policy(policy_id).model.lora is None
 
     def _evaluate_versions(self, versions: dict[str, int | None], max_tasks: int, pass_k: int = 0
                            ) -> dict[str, float]:

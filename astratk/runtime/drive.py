@@ -61,6 +61,10 @@ class Drive:
     idle_dir: Path | None = None  # where a waiting trainer says so on this host (`astratk.idle_cores`)
     nothing_to_train: str | None = None  # set when the run finds it cannot train anything (the line that says why)
 
+    def lend_threads(self) -> int:
+        """Threads a waiting trainer of this run lends to each rollout worker on this host (`astratk.idle_cores`)."""
+        return idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0, self.rollout_workers_here)
+
     # --------------------------------------------------------------------------- pause/resume
     def pause(self) -> None:
         """Stop leasing new tasks and serving new batches; work in flight is admitted, trainers
@@ -203,8 +207,7 @@ class Drive:
 
         procs = TrainerProcesses(self.spec, self.run_dir, self.deployment_name,
                                  self.client.scheduler.address, self.print, threads=self.trainer_threads,
-                                 lend=idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0,
-                                                                 self.rollout_workers_here),
+                                 lend=self.lend_threads(),
                                  environ=tls_environ(getattr(self.cluster, "tls", None)))
         return procs.run
 
@@ -216,7 +219,7 @@ class Drive:
         _quiet_lightning()
         model_path = self.model_paths[policy_id]
         stream = build.group_stream(self.spec, policy_id, self.deployment.datalayer, model_path)
-        lend = idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0, self.rollout_workers_here)
+        lend = self.lend_threads()
         stream.idle_marker = idle_cores.IdleMarker(self.idle_dir, lend) if lend and self.idle_dir else None
         self.stream = stream
         feed = self._autoscale_feed(policy_id, stream) if self.autoscale else None

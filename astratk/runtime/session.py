@@ -163,7 +163,7 @@ class Session(Drive, WrapUp, LiveMetrics):
                        f"({plan.reason}{self._lend_words()}); {self._linear_line}")
 
     def _lend_words(self) -> str:
-        lend = idle_cores.lend_per_worker(self.spec, self.trainer_threads or 0, self.rollout_workers_here)
+        lend = self.lend_threads()
         return (f"; while a trainer waits for data, each rollout worker on its host runs {lend} more "
                 "(cluster.lend_idle_cores)") if lend else ""
 
