@@ -48,7 +48,7 @@ def spec(tmp_path, lend: bool) -> RunSpec:
     return RunSpec(
         name="lend", output_dir=str(tmp_path / "runs"), env=ArithmeticEnv(levels=[1], n_heldout=8),
         policies=[PolicySpec(model=ModelSpec(tiny=tiny, cache_dir=str(tmp_path / "cache")), loss=DRPO(delta=0.5),
-                             trainer=TrainerSpec(max_steps=4, groups_per_step=8))],
+                             trainer=TrainerSpec(max_steps=6, groups_per_step=16))],
         rollout=RolloutSpec(group_size=8, max_new_tokens=24, tasks_per_chunk=8),
         dataflow=DataflowSpec(filter_zero_variance=False),
         cluster=ClusterSpec(rollout_workers=1, startup_timeout_s=120, worker_start="spawn", keep_warm_s=0,
