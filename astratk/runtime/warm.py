@@ -12,7 +12,8 @@ What is kept, and when it is reused:
 - Only a local cluster of worker processes without autoscaling (`keep_warm_s: 0` turns it off). A cluster you
   started yourself (`cluster.scheduler_address`) is yours to keep or close.
 - The next run takes it when its workers would be the same (`layout_key`: worker classes and counts, resource
-  labels from the policy ids, threads per worker, GPUs, dashboard) and every worker the cluster planned is up.
+  labels from the policy ids, threads per worker, GPUs, dashboard, the cores this process may run on, which spawned
+  workers inherit) and every worker the cluster planned is up.
   Otherwise it starts its own, as before. The torch thread count may differ (a synchronous run gives each rollout
   worker more threads than an asynchronous one): `rethread` sets the new run's in the kept workers.
 - A cluster is not kept when its pool was resized during the run, a worker is missing, or user code overran its time
@@ -57,7 +58,10 @@ def layout_key(spec: RunSpec) -> str | None:
     import dask
 
     pre_spawn = dask.config.get("distributed.nanny.pre-spawn-environ", default={}) or {}
-    return repr((sorted(p.policy_id for p in spec.policies), c.rollout_workers, c.pools, c.threads_per_worker,
+    # workers inherit this process's CPU affinity when they start: a cluster started on other cores has other workers
+    # (their thread plan and what a waiting trainer may lend them, `astratk.idle_cores`, count those cores)
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return repr((affinity, sorted(p.policy_id for p in spec.policies), c.rollout_workers, c.pools, c.threads_per_worker,
                  c.rollout_gpus, c.dashboard, c.local_tls, spec.rollout.concurrent_chunks, sorted(pre_spawn.items())))
 
 

@@ -53,6 +53,14 @@ def test_the_layout_decides_and_some_clusters_are_never_kept():
     assert warm.layout_key(two) != base  # the workers' resource labels name the policies
     assert warm.layout_key(spec(keep_warm_s=0)) == base  # it may take a kept one; it keeps none at its end
     assert warm.layout_key(spec(torch_threads=2)) == base  # set in the kept workers when taken (warm.rethread)
+    pinned = os.sched_getaffinity(0)
+    if len(pinned) > 1:  # workers spawned on other cores are other workers (what a waiting trainer lends counts them)
+        try:
+            os.sched_setaffinity(0, {min(pinned)})
+            assert warm.layout_key(spec()) != base
+        finally:
+            os.sched_setaffinity(0, pinned)
+        assert warm.layout_key(spec()) == base
     for never in (spec(processes=False), spec(autoscale=AutoscaleSpec()),
                   spec(scheduler_address="tcp://127.0.0.1:8786")):
         assert warm.layout_key(never) is None
