@@ -32,8 +32,9 @@ Learn = Callable[[Task, list[float], int], None]
 class Admission:
     def __init__(self, policies: Iterable[str], advantage: Callable[[list[float]], Sequence[float]],
                  filters: dict[str, GroupFilter], sink: Sink, curated_role: str,
-                 learn: Learn | None = None) -> None:
+                 learn: Learn | None = None, frozen: Iterable[str] = ()) -> None:
         self._policies = tuple(policies)
+        self._frozen = frozenset(frozen)  # frozen models' names: their groups are counted, never admitted
         self._advantage = advantage
         self.filters = filters
         self._sink = sink
@@ -69,6 +70,9 @@ class Admission:
 
     def _admit_group(self, group: Group) -> int:
         pid = group.policy_id
+        if pid in self._frozen:
+            self._count_frozen(group)
+            return 0
         if pid not in self._policies:
             raise ValueError(f"group {group.group_id} is for unknown policy {pid!r}; policies: "
                              f"{list(self._policies)}")
@@ -115,6 +119,20 @@ class Admission:
         self._sink(group)
         self.counts[key + "groups_admitted"] += 1
         return 1
+
+    def _count_frozen(self, group: Group) -> None:
+        """A frozen model's trajectories (a simulated user's turns): what it generated is counted under
+        `data/frozen/<name>/`, and nothing of it joins a batch (no trainer reads it; not a dropped sample)."""
+        key = f"data/frozen/{group.policy_id}/"
+        self.counts[key + "groups"] += 1
+        self.counts[key + "trajectories"] += len(group.trajectories)
+        self.counts[key + "tokens"] += sum(sum(t.loss_mask) for t in group.trajectories)
+        # the episodes' calls to it (`astratk.rollout.frozen`), once per episode whichever of its roles carries them
+        episodes = {t.group_id: t.metrics for t in group.trajectories}
+        self.counts[key + "episodes"] += len(episodes)
+        for name in ("calls", "tokens", "seconds"):
+            self.counts[key + f"episode_{name}"] += sum(float(m.get(f"frozen/{group.policy_id}/{name}", 0.0))
+                                                        for m in episodes.values())
 
     def admitted(self, policy_id: str) -> int:
         return self.counts[f"data/{policy_id}/groups_admitted"]

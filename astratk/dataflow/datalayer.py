@@ -130,7 +130,7 @@ class DataLayer:
                                     get_advantage(d.advantage),
                                     _named(copy.deepcopy(filters)),  # type: ignore[arg-type]
                                     sink=self._server.add, curated_role=self._curated_role,
-                                    learn=self._learn)
+                                    learn=self._learn, frozen=[f.name for f in spec.frozen])
         # the facade's own: snapshots, restores
         self._counts: Counter[str] = Counter()
         self._trainers: dict[str, tuple[float, float]] = {}  # policy -> (attached 1/0, step at detaching)

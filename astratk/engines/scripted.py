@@ -6,6 +6,7 @@ milliseconds, with completions chosen by the test rather than by a random model.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import os
@@ -42,7 +43,7 @@ class ScriptedEngine:
     """
 
     def __init__(self, tokenizer: Any = None, script: Script = ((0,),), *, logprob: float = math.log(0.5),
-                 version: int = 0, max_model_len: int | None = None) -> None:
+                 version: int = 0, max_model_len: int | None = None, delay_s: float = 0.0) -> None:
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = _tokenizer_of(os.fspath(tokenizer))
         if callable(script):
@@ -62,6 +63,7 @@ class ScriptedEngine:
         self._logprob = float(logprob)
         self._version = version
         self.max_model_len = max_model_len
+        self.delay_s = float(delay_s)  # each generate call first waits this long (a slow engine, for timeouts)
         self.loads: list[tuple[int, tuple[str, ...]]] = []
         self.requests: list[GenerationRequest] = []  # every request seen, in order (for assertions)
 
@@ -74,6 +76,8 @@ class ScriptedEngine:
         return self._tokenizer
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
         return [self._complete(fit_context(r, self.max_model_len)) for r in expand_samples(requests)]
 
     def load_weights(self, state: Mapping[str, torch.Tensor] | Any, version: int) -> None:

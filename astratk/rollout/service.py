@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from astratk.engines import build_engine
 from astratk.records import Group, Lease, LeaseResult, RunContext, Task, Trajectory, opened
 from astratk.rollout.bounded import BoundExceeded, bounded_episode, call_bounded, run_episodes
 from astratk.rollout.context import limit_engines
+from astratk.rollout.frozen import frozen_engines, with_counts
 from astratk.rollout.lockstep import Lockstep
 from astratk.rollout.services import service_for
 from astratk.spec import LoraSpec
@@ -117,6 +118,15 @@ class RolloutService:
         (VLLMEngine's `broken`) is replaced only by `sync` (`rebuild_broken`), which then loads the newest weights
         into the new one: anywhere else it is handed out as is, and its calls fail naming the cause."""
         with self._engines_lock:  # a worker with rollout_<policy>=2 runs two tasks at once: build each engine once
+            frozen = self.spec.frozen_model(policy_id)
+            if frozen is not None:  # one engine for rollouts and evaluations alike: its weights never change
+                key = ("frozen", policy_id)
+                if key not in self._engines:
+                    r = self.spec.rollout
+                    self._engines[key] = build_engine(frozen.engine or r.engine, self.ctx.model_paths[policy_id],
+                                                      run_settings=self._engine_settings("rollout"),
+                                                      **{**r.engine_args, **frozen.engine_args})
+                return self._engines[key]
             lora = self.spec.policy(policy_id).model.lora
             if lora is not None:
                 return self._adapter_engine(policy_id, purpose, lora, rebuild_broken)
@@ -198,6 +208,8 @@ class RolloutService:
         chunk's sync moved the engine on, leaves it where it is; in-flight mode would otherwise record a newer
         version then an older one within a sample); an evaluation engine loads the `version` asked, in full. A delta the engine refuses (a bf16 delta for an fp32 engine, a VLLMEngine without host
         weights) is replaced by the full state, with a warning naming the fix."""
+        if self.spec.frozen_model(policy_id) is not None:  # served as loaded: nothing is ever published for it
+            return self.engine(policy_id).version
         with self._lock:
             engine = self.engine(policy_id, purpose, rebuild_broken=True)
             if purpose == "rollout" and policy_id in self._held:  # an evaluation on this engine holds its version
@@ -230,7 +242,7 @@ class RolloutService:
         engine's (an engine never moves back); None otherwise, which `sync` reads as "the newest" for L = 0 and as
         "stay" below."""
         lag = self.spec.rollout.weight_lag
-        if not lag:
+        if not lag or self.spec.frozen_model(policy_id) is not None:
             return None
         ref = self.store.latest(policy_id)
         current = self.engine(policy_id).version
@@ -244,7 +256,8 @@ class RolloutService:
         and class are read per call: in a threads-mode cluster several workers share this process's service."""
         from astratk.rollout.hardware import worker_hardware  # on a worker only: it imports distributed
 
-        policies = sorted({p for lease in leases for p in lease.routes.values()})
+        policies = sorted({p for lease in leases for p in lease.routes.values()
+                           if self.spec.frozen_model(p) is None})  # a frozen model's engine never changes
         synced = {pid: self.sync(pid, version=self._lagged_version(pid)) for pid in policies}
         hardware, slowdown = worker_hardware()
         stamp = {"service": _service_name(), "hardware": hardware, "synced_versions": synced}
@@ -274,11 +287,12 @@ class RolloutService:
             engines = {role: shared[id(e)] for role, e in engines.items()}
         engines = limit_engines(engines)  # outermost: a prompt too long is refused before it joins a batch
         # top-K log-probs only when a routed policy's loss needs them (DPPO Top-K): they cost memory per token
-        top_k = max(self.spec.policy(pid).loss.needs_topk for pid in lease.routes.values())
+        top_k = max(self.spec.policy(pid).loss.needs_topk for pid in lease.routes.values()
+                    if self.spec.frozen_model(pid) is None)
         sampling = SamplingParams(temperature=r.temperature, max_tokens=r.max_new_tokens, top_k_logprobs=top_k)
-        episodes = [self.env.rollout(lease.task, engines,
-                                     dataclasses.replace(sampling, seed=episode_seed(self.spec.seed, lease.lease_id, i)),
-                                     policy_ids=lease.routes, group_id=f"{lease.lease_id}/{i}")
+        episodes = [self._episode(lease.task, engines,
+                                  dataclasses.replace(sampling, seed=episode_seed(self.spec.seed, lease.lease_id, i)),
+                                  lease.routes, f"{lease.lease_id}/{i}")
                     for i in range(r.group_size)]
         if lock is not None:
             episodes = [lock.run((lease.lease_id, i), ep) for i, ep in enumerate(episodes)]
@@ -304,6 +318,13 @@ class RolloutService:
             await asyncio.sleep((slowdown - 1.0) * (time.perf_counter() - start))
         groups = _groups_by_role(lease, [t for episode in episodes for t in episode], stamp["service"])
         return LeaseResult(lease.lease_id, groups, time.perf_counter() - start, attempt=lease.attempt, **stamp)
+
+    async def _episode(self, task: Task, engines: dict[str, Any], sampling: SamplingParams,
+                       routes: Mapping[str, str], group_id: str) -> list[Trajectory]:
+        """One episode of the env; the frozen models it calls count its calls (`astratk.rollout.frozen`)."""
+        engines, counters = frozen_engines(engines, routes, self.spec)
+        trajectories = await self.env.rollout(task, engines, sampling, policy_ids=routes, group_id=group_id)
+        return with_counts(trajectories, counters)
 
     def score(self, results: Sequence[LeaseResult]) -> list[LeaseResult]:
         """Score each lease's episodes in one `env.score` call over all its roles' trajectories (a workflow's reward
@@ -384,20 +405,25 @@ class RolloutService:
         synced = {pid: self.sync(pid, "eval", v) for pid, v in versions.items()}
         first = next(iter(versions))
         run_routes = self.spec.role_routes()
-        routes = {role: run_routes[role] if run_routes.get(role) in versions else first for role in self.env.roles}
+        routes = {role: run_routes[role] if run_routes.get(role) in versions
+                  or self.spec.frozen_model(run_routes.get(role, "")) is not None else first for role in self.env.roles}
         engines = limit_engines({role: self.engine(pid, "eval") for role, pid in routes.items()})
         tasks = list(self.env.tasks("heldout"))[:max_tasks]
         greedy = SamplingParams(temperature=0.0, max_tokens=self.spec.rollout.max_new_tokens)
 
+        lost = {"timed_out": 0, "too_long": 0}  # greedy episodes scored 0 without an answer (said in the eval line)
+
         async def one(task: Task, sampling: SamplingParams, tag: str) -> list[Trajectory]:
-            episode = self.env.rollout(task, engines, sampling, policy_ids=routes, group_id=f"eval/{task.task_id}/{tag}")
+            episode = self._episode(task, engines, sampling, routes, f"eval/{task.task_id}/{tag}")
             try:
                 return await bounded_episode(episode, self.spec.rollout.episode_timeout_s,
                                              f"a held-out episode of task {task.task_id!r} (rollout.episode_timeout_s)")
             except BoundExceeded as e:  # scored 0: evaluation must not drop tasks
                 log.warning("%s", e)
+                lost["timed_out"] += tag == "g"
                 return []
             except PromptTooLong:  # a held-out prompt longer than the model's context: scored 0 likewise
+                lost["too_long"] += tag == "g"
                 return []
 
         async def run_all() -> tuple[list[list[Trajectory]], list[list[list[Trajectory]]]]:
@@ -455,7 +481,7 @@ class RolloutService:
         out.update({f"version_{pid}": float(v) for pid, v in synced.items()})
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
                 "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
-                **out}
+                "episodes_timed_out": float(lost["timed_out"]), "episodes_too_long": float(lost["too_long"]), **out}
 
 
 class WeightWatcher:

@@ -53,7 +53,8 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
     for res, out in zip(results, reply.outcomes, strict=True):
         admitted += out.admitted
         duplicates += out.duplicate
-        samples += sum(len(g.trajectories) for g in res.groups)
+        trained = [g for g in res.groups if g.policy_id in current]  # a frozen model's groups: counted at admission
+        samples += sum(len(g.trajectories) for g in trained)
         seconds += res.seconds
         s = services.setdefault(res.service, {"hardware": res.hardware, "leases": 0.0, "groups_admitted": 0.0,
                                               "duplicates": 0.0, "samples": 0.0, "tokens": 0.0, "seconds": 0.0,
@@ -64,7 +65,7 @@ def admit_task(results: Sequence[LeaseResult], datalayer: DataLayerClient) -> di
         s["duplicates"] += out.duplicate
         s["seconds"] = max(s["seconds"], res.seconds)  # a chunk's leases run concurrently: its time is the longest
         s["lent_s"] = max(s["lent_s"], res.lent_s)  # the chunk's, on every lease
-        for g in res.groups:
+        for g in trained:
             s["samples"] += len(g.trajectories)
             s["tokens"] += sum(sum(t.loss_mask) for t in g.trajectories)
             if g.version >= 0:

@@ -45,7 +45,7 @@ class Acquisition:
         self._paused = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="astratk-acquisition", daemon=True)
         self._inflight: dict[Any, list[tuple[str, int]]] = {}  # admit future -> its (lease id, attempt) pairs
-        self._policies = sorted({p.policy_id for p in self.spec.policies})
+        self._policies = sorted(self.spec.served_ids())  # each needs its label on the worker (frozen models too)
         self._workers_checked = 0.0
         self._n_workers = 1
 

@@ -85,7 +85,7 @@ def deploy(ctx: RunContext, client: Any, *, timeout_s: float = 120.0, snapshot_u
     handle that travel with rollout chains follow it to a replacement (`DataLayerClient`)."""
     spec = ctx.spec
     wait_for_workers(client, ["control"], 1, timeout_s)
-    need = [f"rollout_{p.policy_id}" for p in spec.policies]
+    need = [f"rollout_{p}" for p in spec.served_ids()]
     wait_for_workers(client, need, 1, timeout_s)
     wait_for_workers(client, [SCORE_LABEL], 1, timeout_s)  # the same workers, or score-only ones (docs/cluster.md)
     check_env_loads(client, spec.env, timeout_s)  # a reward module the workers cannot import: one line, now

@@ -58,7 +58,8 @@ class Evaluator:
         within one episode's bound). An evaluation given up is cancelled (Dask forgets it; a worker thread already
         running it ends on its own) and leaves no record."""
         versions = version if isinstance(version, dict) else dict.fromkeys(self.policy_ids, version)
-        resources = {f"rollout_{p}": 1 for p in self.policy_ids}
+        # the frozen models the episodes call are served where they run, as in the run's rollouts
+        resources = {f"rollout_{p}": 1 for p in [*self.policy_ids, *(f.name for f in self.ctx.spec.frozen)]}
         token = uuid.uuid4().hex
         future = self.client.submit(evaluate_task, self.ctx, versions, self.espec.max_tasks, self.espec.pass_k, token,
                                     resources=resources, priority=priority, pure=False)

@@ -74,6 +74,7 @@ class LiveMetrics:
             when = f" (weights published at {max(0.0, r['train_time_s']):.0f}s of training)"
         else:
             when = ""
+        when += _lost_episodes(r)
         if len(self.spec.policies) == 1:
             self.print(f"held-out accuracy v{int(r['version'])}: {r['accuracy']:.3f} on "
                        f"{int(r['n'])} tasks{when}")
@@ -145,3 +146,10 @@ class LiveMetrics:
                 f"stale-drop {m.get(k + 'groups_dropped_stale', 0):.0f}  "
                 f"zero-var {m.get(k + 'groups_dropped_zero_variance', 0):.0f}{scaling}")
 
+
+def _lost_episodes(r: dict[str, float]) -> str:
+    """What an evaluation line adds when some held-out episodes ended without an answer and were scored 0."""
+    late, long_ = int(r.get("episodes_timed_out", 0) or 0), int(r.get("episodes_too_long", 0) or 0)
+    parts = ([f"{late} ran past rollout.episode_timeout_s (raise it, or give the workers more cores)"] if late else []) \
+        + ([f"{long_} had a prompt longer than the model's context"] if long_ else [])
+    return f"; scored 0 without an answer: {', '.join(parts)}" if parts else ""

@@ -132,7 +132,7 @@ def worker_specs(spec: RunSpec, processes: bool = True,
                  start: str | None = None) -> dict[str, dict[str, Any]]:
     """SpecCluster worker specs: `control` (one thread: it hosts the data-layer actor) plus `{class}-{i}` for every
     class of the run's pool. `start`: how their processes start (default: `cluster.worker_start` resolved here)."""
-    labels = rollout_labels([p.policy_id for p in spec.policies], spec.rollout.concurrent_chunks)
+    labels = rollout_labels(spec.served_ids(), spec.rollout.concurrent_chunks)
     if start is None:
         start = resolve_start_method(spec.cluster.worker_start) if processes else "spawn"
     workers = {CONTROL: _control_spec(processes, spec.cluster.dashboard, start)}
@@ -159,7 +159,7 @@ def start_pool_cluster(spec: RunSpec, processes: bool = True, *, elastic: str | 
     else the first rollout class). Thread counts go into each nanny's pre-spawn environment (read before a worker
     imports numpy/torch, reused when the nanny restarts a dead worker). Everything binds to 127.0.0.1."""
     classes = pool_classes(spec)
-    labels = rollout_labels([p.policy_id for p in spec.policies], spec.rollout.concurrent_chunks)
+    labels = rollout_labels(spec.served_ids(), spec.rollout.concurrent_chunks)
     if elastic is None and spec.cluster.autoscale is not None:
         elastic = spec.cluster.autoscale.pool
     elastic = elastic or _default_elastic(classes, labels)

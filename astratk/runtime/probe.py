@@ -65,6 +65,8 @@ class ProbeReport:
     tokens: int
     policies: dict[str, PolicyProbe]
     too_long: int = 0  # train tasks dropped before generation: their prompt leaves no room in the model's context
+    # frozen model -> its replies over the probed episodes: episodes, calls, tokens, seconds (astratk.rollout.frozen)
+    frozen: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def nothing_to_train(self) -> bool:
@@ -94,6 +96,11 @@ class ProbeReport:
                 continue
             rows.append("  " + ("to get more signal: " + "; ".join(p.advice) if p.advice else
                                 "enough signal to train: every group with unequal rewards is a learning step's input"))
+        for name, f in self.frozen.items():
+            calls = f["calls"]
+            rows.append(f"frozen model {name!r}: {calls:.0f} replies ({f['tokens']:.0f} tokens) in {f['episodes']:.0f} "
+                        f"episodes, {f['seconds'] / calls * 1000:.0f} ms per reply" if calls else
+                        f"frozen model {name!r}: no episode called it; do the env's roles reach it (frozen.roles)?")
         return "\n".join(rows)
 
     def _repr_html_(self) -> str:
@@ -131,12 +138,14 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     paths = {p.policy_id: str(ensure_model(p.model, spec.env, log=printer, key=f"policies[{i}].model"))
              for i, p in enumerate(spec.policies)}
     tools = {}
-    for pid, path in paths.items():
+    for pid, path in list(paths.items()):
         lines, shown = tool_status(spec.env, pid, path)
         for line in lines:
             printer(f"probe: {line}")
         if shown is not None:
             tools[pid] = shown
+    for i, f in enumerate(spec.frozen):  # the frozen models the episodes call (a simulated user), as a run serves them
+        paths[f.name] = str(ensure_model(f.model, spec.env, log=printer, key=f"frozen[{i}].model"))
     t0 = time.perf_counter()  # sampling only: a model's build or warm start above is not the engine's speed
     with tempfile.TemporaryDirectory(prefix="astratk-probe-") as store_url:
         store = WeightStore.from_spec(store_url, spec.weights)
@@ -162,7 +171,17 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     policies = {p.policy_id: _summarise(p.policy_id, [g for g in groups if g.policy_id == p.policy_id], spec,
                                         greedy.get(p.policy_id), tools.get(p.policy_id)) for p in spec.policies}
     too_long = sum(1 for res in results if res.dropped == "prompt_too_long")
-    return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies, too_long)
+    frozen = {f.name: _frozen_calls(f.name, groups) for f in spec.frozen}
+    return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies, too_long, frozen)
+
+
+def _frozen_calls(name: str, groups: list[Any]) -> dict[str, float]:
+    """A frozen model's replies over the probed episodes, from the counts each episode's trajectories carry."""
+    episodes = {t.group_id: t.metrics for g in groups for t in g.trajectories}
+    out = {"episodes": float(len(episodes))}
+    for what in ("calls", "tokens", "seconds"):
+        out[what] = sum(float(m.get(f"frozen/{name}/{what}", 0.0)) for m in episodes.values())
+    return out
 
 
 def _first(iterable: Any, n: int) -> list[Any]:

@@ -362,6 +362,8 @@ class Run:
           f"{100 * s['data_wait_fraction']:.0f}% of it; whole run {s['wall_time_s']:.0f}s")
         for pid, a in (s.get("agent") or {}).items():  # agent and multi-turn envs: how the tools were used
             p(f"{a['line']} (policy {pid!r})")
+        for f in (s.get("frozen") or {}).values():  # models served beside the policies: their calls and latency
+            p(f["line"])
         for name, path in files.items():
             p(f"{name:>8}: {path}")
         if s.get("stopped_early"):

@@ -193,7 +193,8 @@ class Session(Drive, WrapUp, LiveMetrics):
         return threads
 
     def _build_models(self) -> None:
-        """Every policy's starting model directory (built and warm-started, or from the cache)."""
+        """Every policy's starting model directory (built and warm-started, or from the cache), and every frozen
+        model's."""
 
         for i, p in enumerate(self.spec.policies):
             t = time.perf_counter()
@@ -205,6 +206,12 @@ class Session(Drive, WrapUp, LiveMetrics):
                 self.print(line)
             if shown is not None:
                 self.tools_shown[p.policy_id] = shown
+        for i, f in enumerate(self.spec.frozen):  # served beside the policies, never trained nor published
+            t = time.perf_counter()
+            path = str(ensure_model(f.model, self.spec.env, log=self.print, key=f"frozen[{i}].model"))
+            self.model_paths[f.name] = path
+            self.print(f"frozen model {f.name!r} for role(s) {', '.join(f.roles)}: {path} "
+                       f"({time.perf_counter() - t:.0f}s; served on the rollout workers, never trained)")
 
     def _prepare_weights(self) -> str:
         """The weight store's URL, holding every policy's version 0; or, when resuming, the resumed

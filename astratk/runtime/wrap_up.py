@@ -132,6 +132,8 @@ class WrapUp:
         agent = {p.policy_id: a for p in self.spec.policies if (a := self._agent_summary(p.policy_id)) is not None}
         if agent:
             summary["agent"] = agent
+        if frozen := {f.name: self._frozen_summary(f.name) for f in self.spec.frozen}:
+            summary["frozen"] = frozen
         if len(self.spec.policies) > 1:
             for p in self.spec.policies:
                 if p.policy_id in results:
@@ -150,6 +152,20 @@ class WrapUp:
                          tools_shown=shown, tool_format=fmt)
         return {"episodes": episodes, **{f"{n}_per_episode": r.per_episode(n) for n in AGENT_METRICS},
                 "tools_shown": shown, "tool_format": fmt, "line": r.line()}
+
+    def _frozen_summary(self, name: str) -> dict[str, Any]:
+        """A frozen model's work over the run: the episodes that called it, its replies and their tokens, and the
+        time an episode waited for a reply (`astratk.rollout.frozen`)."""
+        counters = getattr(self, "counters", {})
+        key = f"data/frozen/{name}/"
+        episodes, calls = counters.get(key + "episodes", 0.0), counters.get(key + "episode_calls", 0.0)
+        tokens, seconds = counters.get(key + "episode_tokens", 0.0), counters.get(key + "episode_seconds", 0.0)
+        per_call = seconds / calls if calls else float("nan")
+        line = (f"frozen model {name!r}: {calls:.0f} replies ({tokens:.0f} tokens) in {episodes:.0f} episodes, "
+                f"{calls / max(episodes, 1):.2f} per episode, {per_call * 1000:.0f} ms per reply; never trained on"
+                if calls else f"frozen model {name!r}: no episode called it (do the env's roles reach it?)")
+        return {"episodes": int(episodes), "calls": int(calls), "tokens": int(tokens),
+                "calls_per_episode": calls / max(episodes, 1), "seconds_per_call": per_call, "line": line}
 
     def _policy_summary(self, pid: str, result: dict[str, Any]) -> dict[str, Any]:
         """One policy's numbers in a multi-policy run's summary: its fit and its evaluations."""

@@ -17,7 +17,7 @@ One module per section, in the order a run's YAML lists them:
 | `dataflow` | `DataflowSpec`, `SnapshotSpec` |
 | `cluster` | `ClusterSpec`, `WorkerClass`, `AutoscaleSpec`, `TLSSpec` |
 | `weights`, `eval` | `WeightsSpec`, `EvalSpec` |
-| `run` | `PolicySpec`, `RunSpec` |
+| `run` | `PolicySpec`, `FrozenSpec`, `RunSpec` |
 | `rules` | the checks between sections, in the order a run needs them |
 
 Each section checks its own fields (`validate(key)`, `key` being where it sits in the YAML); `RunSpec.validate()` runs
@@ -40,11 +40,11 @@ from astratk.spec.dataflow import DataflowSpec, SnapshotSpec
 from astratk.spec.eval import EvalSpec
 from astratk.spec.model import LoraSpec, ModelSpec, TinyModelSpec, WarmStartSpec
 from astratk.spec.rollout import RolloutSpec
-from astratk.spec.run import PolicySpec, RunSpec
+from astratk.spec.run import FrozenSpec, PolicySpec, RunSpec
 from astratk.spec.trainer import ACCELERATORS, PRECISIONS, DivergenceSpec, TrainerSpec
 from astratk.spec.weights import WeightsSpec
 
 __all__ = ["ACCELERATORS", "PRECISIONS", "SCORE_LABEL", "AutoscaleSpec", "ClusterSpec", "DataflowSpec",
-           "DivergenceSpec", "EvalSpec", "LoraSpec", "ModelSpec", "NothingToTrain", "PolicySpec", "RolloutSpec", "RunSpec", "Section",
+           "DivergenceSpec", "EvalSpec", "FrozenSpec", "LoraSpec", "ModelSpec", "NothingToTrain", "PolicySpec", "RolloutSpec", "RunSpec", "Section",
            "SnapshotSpec", "StartError", "TLSSpec", "TinyModelSpec", "TrainerSpec", "WarmStartSpec", "WeightsSpec",
            "WorkerClass"]

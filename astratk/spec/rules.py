@@ -56,6 +56,7 @@ def validate(spec: RunSpec) -> RunSpec:
         p.validate(key)
         check_roles(p, key, env, seen)
         check_trainer_names(p.trainer, f"{key}.trainer")
+    check_frozen(spec, env, seen)
     missing = [r for r in env.roles if r not in seen]
     if missing:
         raise ValueError(f"policies: no policy plays env {env.name!r} role(s) {missing}; add them "
@@ -68,7 +69,7 @@ def validate(spec: RunSpec) -> RunSpec:
     check_dataflow(spec.dataflow, env)
     check_group_size(spec)
     spec.cluster.validate("cluster")
-    check_cluster(spec.cluster, [p.policy_id for p in spec.policies])
+    check_cluster(spec.cluster, spec.served_ids())
     if spec.dataflow.synchronous:
         check_synchronous(spec)
     spec.eval.validate("eval")
@@ -104,6 +105,32 @@ def check_roles(p: PolicySpec, key: str, env: Env, seen: dict[str, str]) -> None
         seen[role] = p.policy_id
 
 
+def check_frozen(spec: RunSpec, env: Env, seen: dict[str, str]) -> None:
+    """Each frozen model: its own fields, a name no policy has, roles the env has and no one else plays, an engine
+    that is installed; and the env's first role (the one accuracy and curricula read) is a trained policy's."""
+    ids = {p.policy_id for p in spec.policies}
+    names: set[str] = set()
+    for i, f in enumerate(spec.frozen):
+        key = f"frozen[{i}]"
+        f.validate(key)
+        if f.name in ids or f.name in names:
+            raise ValueError(f"{key}.name: {f.name!r} is already the name of a "
+                             f"{'policy' if f.name in ids else 'frozen model'}; give each model its own name")
+        names.add(f.name)
+        for role in f.roles:
+            if role not in env.roles:
+                raise ValueError(f"{key}.roles: env {env.name!r} has no role {role!r}; its roles are "
+                                 f"{list(env.roles)}")
+            if role in seen:
+                raise ValueError(f"{key}.roles: role {role!r} is already played by {seen[role]!r}")
+            seen[role] = f.name
+        if f.engine is not None:
+            check_engine(f.engine, f"{key}.engine")
+    if spec.frozen and seen.get(env.roles[0]) in names:
+        raise ValueError(f"frozen: env {env.name!r}'s first role {env.roles[0]!r} (the one held-out accuracy and "
+                         "curricula read) is played by a frozen model; a trained policy must play it")
+
+
 def check_trainer_names(t: TrainerSpec, key: str) -> None:
     """`aggregation` and `loggers` name entries of the trainer's tables."""
     if t.aggregation not in AGGREGATIONS:
@@ -115,7 +142,10 @@ def check_trainer_names(t: TrainerSpec, key: str) -> None:
 def check_engine(name: str, key: str = "rollout.engine") -> None:
     """`rollout.engine` names a known engine whose packages are installed (workers share the
     client's environment)."""
-    path = resolve_path("engine", name)
+    try:
+        path = resolve_path("engine", name)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
     if path == REGISTRY["engine"]["vllm"] and importlib.util.find_spec("vllm") is None:
         raise ValueError(f"{key}: {name!r} needs vLLM, which is not installed here: {VLLM_INSTALL_HINT}")
 

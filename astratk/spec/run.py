@@ -1,9 +1,11 @@
-"""A policy (`PolicySpec`: its model, loss, trainer, corrections) and the whole run (`RunSpec`), whose `validate()`
-runs every section's own checks and then the rules between sections (`astratk.spec.rules`)."""
+"""A policy (`PolicySpec`: its model, loss, trainer, corrections), a frozen model (`FrozenSpec`: served, never
+trained) and the whole run (`RunSpec`), whose `validate()` runs every section's own checks and then the rules between
+sections (`astratk.spec.rules`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from astratk.contracts import Env, PolicyLoss, TokenCorrection, check_double_weighting
 from astratk.spec import rules
@@ -51,6 +53,55 @@ class PolicySpec(Section):
         self.trainer.validate(f"{key}.trainer")
 
 
+@dataclass
+class FrozenSpec(Section):
+    """A model served on the rollout pool and never trained: a simulated user, an opponent or partner, a judge an
+    env asks in its episodes. It plays env roles as a policy does (`roles`), on the same rollout workers (each worker
+    that runs an episode serves both; `rollout_<name>` is its resource label, as for a policy), and every episode's
+    calls to it are counted apart (`frozen/<name>/calls`, `tokens`, `seconds` in the trajectories' metrics). What it
+    generates is never trained on: its role's trajectories are counted and left out of every batch."""
+
+    SPEC_KEY = "frozen[0]"
+
+    name: str = "frozen"
+    """its name: env routes, metrics and resource labels refer to it (distinct from every policy's id)"""
+    roles: list[str] = field(default_factory=list)
+    """env roles it plays (e.g. [user])"""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """the model served: a directory, Hub id, GGUF file or pypi: wheel file, or the built-in tiny model; never
+    LoRA adapters nor a warm start (nothing of it trains)"""
+    engine: str | None = None
+    """its rollout engine (torch, vllm, or a dotted path); null: the run's rollout.engine"""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """engine arguments over the run's rollout.engine_args (e.g. {dtype: bfloat16})"""
+    temperature: float | None = None
+    """its sampling temperature (0: greedy), whatever the env asks; null: the env's or the run's"""
+    max_new_tokens: int | None = None
+    """the most tokens one of its replies may have; null: the env's or the run's rollout.max_new_tokens"""
+
+    def validate(self, key: str = "frozen[0]") -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or "/" in self.name:
+            raise ValueError(f"{key}.name: give a non-empty name without '/' (it names metrics and a resource "
+                             f"label), got {self.name!r}")
+        if isinstance(self.roles, str) or not self.roles or not all(isinstance(r, str) for r in self.roles):
+            raise ValueError(f"{key}.roles: give the env roles this model plays as a list, e.g. [user], got "
+                             f"{self.roles!r}")
+        self.model.validate(f"{key}.model")
+        if self.model.lora is not None:
+            raise ValueError(f"{key}.model.lora: a frozen model trains nothing; serve the model as it is (remove "
+                             "lora), or make it a policy to train adapters")
+        if self.model.warm_start is not None:
+            raise ValueError(f"{key}.model.warm_start: a frozen model is served as it is; warm-start it in a run of "
+                             "its own and give that model's directory as model.path")
+        if not isinstance(self.engine_args, dict):
+            raise ValueError(f"{key}.engine_args: a mapping of engine arguments, got {self.engine_args!r}")  # noqa: TRY004
+        t = self.temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf")):
+            raise ValueError(f"{key}.temperature: a number >= 0 (0: greedy) or null, got {t!r}")
+        n = self.max_new_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{key}.max_new_tokens: an integer >= 1 or null, got {n!r}")
+
 
 @dataclass
 class RunSpec(Section):
@@ -69,6 +120,9 @@ class RunSpec(Section):
     """the policies trained together; each plays one or more of the env's roles. `--policies.help` lists every
     policy key; a flag such as --policies.trainer.max_time_s 300 sets it on the last policy of the list (the only one
     in a single-policy run): set the others' in the YAML file"""
+    frozen: list[FrozenSpec] = field(default_factory=list)
+    """models served beside the policies and never trained (a simulated user, an opponent, a judge), each playing
+    env roles: `FrozenSpec`"""
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     """how rollouts are generated: engine, group size, sampling, timeouts"""
     dataflow: DataflowSpec = field(default_factory=DataflowSpec)
@@ -101,6 +155,16 @@ class RunSpec(Section):
                        f"{[p.policy_id for p in self.policies]}")
 
     def role_routes(self) -> dict[str, str]:
-        """env role -> policy_id."""
-        return {role: p.policy_id for p in self.policies for role in p.roles}
+        """env role -> the policy_id (or frozen model's name) that plays it."""
+        return {**{role: p.policy_id for p in self.policies for role in p.roles},
+                **{role: f.name for f in self.frozen for role in f.roles}}
+
+    def frozen_model(self, name: str) -> FrozenSpec | None:
+        """The frozen model of that name, or None (a policy's id, or unknown)."""
+        return next((f for f in self.frozen if f.name == name), None)
+
+    def served_ids(self) -> list[str]:
+        """Every model the rollout workers serve: the policies' ids, then the frozen models' names (each is a
+        worker resource label `rollout_<id>`)."""
+        return [p.policy_id for p in self.policies] + [f.name for f in self.frozen]
 

@@ -145,7 +145,7 @@ def test_a_run_spec_with_the_scripted_engine_rolls_out_and_scores(tmp_path):
 def test_engine_arguments_the_constructor_cannot_take_fail_naming_what_it_takes():
     with pytest.raises(TypeError, match=r"engine 'astratk.engines.scripted.ScriptedEngine' .* takes no argument "
                                         r"\['batch_window_s'\] \(rollout.engine_args\); its constructor takes "
-                                        r"\['logprob', 'max_model_len', 'script', 'version'\]"):
+                                        r"\['delay_s', 'logprob', 'max_model_len', 'script', 'version'\]"):
         build_engine("astratk.engines.scripted.ScriptedEngine", None, batch_window_s=0.01)
     # run-wide settings reach only the constructors that take them; the engine's own arguments override them
     engine = build_engine("scripted", None, run_settings={"max_batch": 4, "version": 1}, version=3)
@@ -187,3 +187,27 @@ def test_evaluation_reports_pass_at_k_and_the_mean_of_the_samples(tmp_path):
     out = service.evaluate_versions({"main": None}, max_tasks=6, pass_k=4)
     assert out["accuracy"] == 1.0 and out["sampled_accuracy"] == 0.5
     assert 0.0 < out["pass_at_4"] <= 1.0
+
+
+def test_an_evaluation_counts_the_episodes_it_scored_0_for_running_out_of_time(tmp_path):
+    """A held-out episode past `rollout.episode_timeout_s` is scored 0 (evaluation drops no task) and counted, and the
+    run's evaluation line says so: a 0.000 that comes from slow workers must not read as a model that forgot."""
+    from astratk.models import build_char_tokenizer
+    from astratk.models.tokenizer import save_char_tokenizer
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
+    from astratk.runtime.live_metrics import _lost_episodes
+    from astratk.spec import RolloutSpec, RunSpec
+
+    tok = build_char_tokenizer()
+    save_char_tokenizer(tok, tmp_path)
+    yes = [*tok("Y", add_special_tokens=False)["input_ids"], tok.convert_tokens_to_ids("<|im_end|>")]
+
+    spec = RunSpec(env=_LetterEnv(levels=[1], n_heldout=3),
+                   rollout=RolloutSpec(engine="scripted", max_new_tokens=4, episode_timeout_s=0.1,
+                                       engine_args={"script": [yes], "delay_s": 0.5})).validate()
+    service = RolloutService(RunContext("late", spec, {"main": str(tmp_path)}, "memory://late"))
+    out = service.evaluate_versions({"main": None}, max_tasks=3)
+    assert out["accuracy"] == 0.0 and out["n"] == 3 and out["episodes_timed_out"] == 3
+    assert "3 ran past rollout.episode_timeout_s" in _lost_episodes(out)
+    assert _lost_episodes({**out, "episodes_timed_out": 0.0}) == ""
