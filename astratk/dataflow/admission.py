@@ -130,9 +130,9 @@ class Admission:
         # the episodes' calls to it (`astratk.rollout.frozen`), once per episode whichever of its roles carries them
         episodes = {t.group_id: t.metrics for t in group.trajectories}
         self.counts[key + "episodes"] += len(episodes)
-        for name in ("calls", "tokens", "seconds"):
-            self.counts[key + f"episode_{name}"] += sum(float(m.get(f"frozen/{group.policy_id}/{name}", 0.0))
-                                                        for m in episodes.values())
+        for name, what, scale in (("calls", "calls", 1), ("tokens", "tokens", 1), ("ms", "seconds", 1000)):
+            self.counts[key + f"episode_{name}"] += round(scale * sum(float(m.get(f"frozen/{group.policy_id}/{what}", 0))
+                                                                      for m in episodes.values()))
 
     def admitted(self, policy_id: str) -> int:
         return self.counts[f"data/{policy_id}/groups_admitted"]

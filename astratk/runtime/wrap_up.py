@@ -23,6 +23,8 @@ TARGET_GAIN = 0.15
 class WrapUp:
     """`Session`'s wrap-up; the attributes it reads are set by `Session.__init__`, its set-up and its run loop."""
 
+    spec: RunSpec
+
     def _starvation_warnings(self) -> list[dict[str, Any]]:
         """The starvation monitor's lines (`Session` sets `starvation` once the run loop starts)."""
         starvation = getattr(self, "starvation", None)
@@ -159,7 +161,7 @@ class WrapUp:
         counters = getattr(self, "counters", {})
         key = f"data/frozen/{name}/"
         episodes, calls = counters.get(key + "episodes", 0.0), counters.get(key + "episode_calls", 0.0)
-        tokens, seconds = counters.get(key + "episode_tokens", 0.0), counters.get(key + "episode_seconds", 0.0)
+        tokens, seconds = counters.get(key + "episode_tokens", 0.0), counters.get(key + "episode_ms", 0.0) / 1000
         per_call = seconds / calls if calls else float("nan")
         line = (f"frozen model {name!r}: {calls:.0f} replies ({tokens:.0f} tokens) in {episodes:.0f} episodes, "
                 f"{calls / max(episodes, 1):.2f} per episode, {per_call * 1000:.0f} ms per reply; never trained on"

@@ -20,9 +20,9 @@ ROOT = Path(__file__).parents[2]
 PUBLIC = ("astratk/spec/", "astratk/contracts.py", "astratk/records.py", "astratk/dataflow/client.py",
           "astratk/dataflow/stages/", "losses/", "envs/multiturn.py", "envs/function.py", "envs/agent.py",
           "envs/chat.py", "envs/dataset.py", "envs/jsonl.py", "envs/mixture.py")
-MYPY_CEILING = 441  # errors outside PUBLIC on 2026-12-07 (490 in 71 files before the public surface was cleared; 473
+MYPY_CEILING = 430  # errors outside PUBLIC on 2026-12-07 (490 in 71 files before the public surface was cleared; 473
 # before `Drive` declared its `spec`; 459 before transformers, openai and the agent frameworks were read as Any: see
-# pyproject.toml's mypy overrides)
+# pyproject.toml's mypy overrides; 441 before `WrapUp` declared its `spec`)
 
 
 def test_ruff_finds_nothing():

@@ -151,6 +151,6 @@ def test_the_data_layer_counts_a_frozen_models_groups_and_never_serves_them():
     assert m["data/solver/groups_admitted"] == 1
     assert m["data/frozen/checker/trajectories"] == 4 and m["data/frozen/checker/tokens"] == 8
     assert (m["data/frozen/checker/episodes"], m["data/frozen/checker/episode_calls"]) == (4, 4)
-    assert m["data/frozen/checker/episode_seconds"] == 2.0
+    assert m["data/frozen/checker/episode_ms"] == 2000
     assert not any(k.startswith("data/checker/") for k in m)  # no policy of that name: nothing queued for it
     assert dl.drops() == [] or all(d.policy_id != "checker" for d in dl.drops())
