@@ -53,6 +53,7 @@ REGISTRY: dict[str, dict[str, str]] = {
         "math_jsonl": "astratk.envs.math.jsonl.MathJsonlEnv",
         "solver_verifier": "astratk.envs.workflows.solver_verifier.SolverVerifierEnv",
         "solver_testgen": "astratk.envs.workflows.solver_testgen.SolverTestGenEnv",
+        "judged": "astratk.envs.workflows.judged.JudgedEnv",
         "simulated_user": "astratk.envs.simulated_user.SimulatedUserEnv",
         "search": "astratk.envs.search.env.SearchEnv",
         "code": "astratk.envs.code.env.CodeEnv",

@@ -59,6 +59,32 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def read_verdict(reply: str | None, parse: str | Callable[[str], float | None] = "score",
+                 scale: tuple[float, float] = (0.0, 10.0), verdicts: dict[str, float] | None = None) -> float | None:
+    """The reward a judge's reply gives (module docstring: "score", "verdict" or a function), or None when it cannot
+    be read. `verdicts`' words are matched whole, case ignored; the first one in the reply counts.
+
+    >>> read_verdict("Score: 7"), read_verdict("Yes, it is right.", "verdict"), read_verdict("maybe", "verdict")
+    (0.7, 1.0, None)
+    """
+    if reply is None:
+        return None
+    if callable(parse):
+        value = parse(reply)
+        return None if value is None else float(value)
+    if parse == "verdict":
+        words = {k.lower(): float(v) for k, v in (verdicts or {"yes": 1.0, "no": 0.0}).items()}
+        found = [(m.start(), word) for word in words
+                 if (m := re.search(rf"\b{re.escape(word)}\b", reply, flags=re.IGNORECASE))]
+        return words[min(found)[1]] if found else None
+    numbers = _NUMBER.findall(reply)
+    if not numbers:
+        return None
+    low, high = scale
+    x = float(numbers[-1])
+    return (x - low) / (high - low) if low <= x <= high else None
+
+
 class Judge:
     """An LLM judge over an OpenAI-compatible endpoint, as a TRL-style reward function (module docstring).
 
@@ -114,21 +140,7 @@ class Judge:
     # ------------------------------------------------------------------------------------------------ the verdict
     def read(self, reply: str | None) -> float | None:
         """The reward a reply gives, or None when it cannot be read."""
-        if reply is None:
-            return None
-        if callable(self.parse):
-            value = self.parse(reply)
-            return None if value is None else float(value)
-        if self.parse == "verdict":
-            found = [(m.start(), word) for word in self.verdicts
-                     if (m := re.search(rf"\b{re.escape(word)}\b", reply, flags=re.IGNORECASE))]
-            return self.verdicts[min(found)[1]] if found else None
-        numbers = _NUMBER.findall(reply)
-        if not numbers:
-            return None
-        low, high = self.scale
-        x = float(numbers[-1])
-        return (x - low) / (high - low) if low <= x <= high else None
+        return read_verdict(reply, self.parse, self.scale, self.verdicts)
 
     def messages(self, prompt: Any, completion: Any, columns: dict[str, Any]) -> list[dict[str, str]]:
         """The judge's request for one completion."""

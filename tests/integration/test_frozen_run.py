@@ -3,6 +3,8 @@ greedy) judges each answer in the episodes, and nothing it generates is trained 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from astratk.envs.math.arithmetic import ArithmeticEnv
@@ -63,3 +65,28 @@ def test_a_frozen_model_plays_its_role_is_counted_and_never_trained(tmp_path):
                for line in lines), lines
     evals = ds["eval_accuracy"].values  # ... and the held-out evaluation ran with the frozen verifier too
     assert len(evals) >= 1
+
+
+def test_a_policy_trained_on_a_frozen_judge_is_measured_by_the_ground_truth(tmp_path):
+    """A judge that says yes to everything (a scripted frozen model): the train reward is its verdict, 1 for every
+    answer, while the metrics' ground truth and the held-out accuracy show how often the answers were right."""
+    from astratk.envs.workflows import JudgedEnv
+    from astratk.models import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    yes = [*tok("yes", add_special_tokens=False)["input_ids"], tok.convert_tokens_to_ids("<|im_end|>")]
+    base = spec(tmp_path)
+    run = dataclasses.replace(
+        base, name="judged", env=JudgedEnv(ArithmeticEnv(levels=[1], n_heldout=8)),
+        policies=[dataclasses.replace(base.policies[0], policy_id="main", roles=["policy"])],
+        frozen=[FrozenSpec(name="judge", roles=["judge"], model=base.frozen[0].model, engine="scripted",
+                           engine_args={"script": [yes]})])
+    result = Run(run, printer=lambda line: None).start()
+    ds = load(result.files["metrics"])
+    traj = {k: float(ds[f"data_traj_policy_{k}_mean"].sel(policy="main"))
+            for k in ("judge_verdict", "ground_truth", "judge_agrees", "judge_unparseable")}
+    assert traj["judge_verdict"] == 1.0 and traj["judge_unparseable"] == 0.0
+    assert traj["ground_truth"] < 1.0 and traj["judge_agrees"] == traj["ground_truth"]  # yes agrees only when right
+    assert float(ds["data_reward_mean_received"].sel(policy="main")) == 1.0  # trained on the verdicts ...
+    assert float(ds["eval_accuracy"].isel(evaluation=-1).max()) < 1.0  # ... measured on the held-out truth
+    assert result.summary["frozen"]["judge"]["calls_per_episode"] == 1.0
