@@ -1,7 +1,8 @@
 """The checks a run makes as it starts, before it writes anything, of what only this machine and the run's files can
 tell: a checkpoint to resume (`check_resume`), the model's layers that LoRA adapts (`check_lora`), an output
 directory that takes a new run directory (`check_output_dir`), room on each GPU for everything placed there
-(`check_gpu_memory`). `Run(spec)` runs the first two after `spec.validate()`; `Run.start()` the last two. Each error
+(`check_gpu_memory`), and a frozen model's directory as resolved (`check_frozen_model`: nothing else ever loads it on
+this machine before a rollout worker does). `Run(spec)` runs the first two after `spec.validate()`; `Run.start()` the last two. Each error
 is one line naming the key to change.
 """
 
@@ -70,6 +71,34 @@ def check_lora_at(model: ModelSpec, key: str, directory: str | Path | None = Non
         check_model_spec(model, key, directory)
     except ValueError as e:
         raise StartError(str(e)) from None
+
+
+def check_frozen_model(directory: str | Path, key: str) -> None:
+    """A frozen model's resolved directory holds what its engine loads: a config transformers reads, weights, and a
+    tokenizer (an env talks to it in text). A policy's model is loaded here as the run publishes its version 0; a
+    frozen model is not, so without this check a broken one would fail only in the workers' rollouts, chunk after
+    chunk. A `StartError`: one line at start, naming `key`."""
+    from transformers import AutoConfig
+
+    from astratk.models.loading import load_tokenizer
+
+    d = Path(directory)
+    try:
+        AutoConfig.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, the run cannot serve this model
+        raise StartError(f"{key}: {d} cannot be loaded as a model: {type(e).__name__}: {str(e).splitlines()[0]}; "
+                         "give a directory saved with save_pretrained, a Hub id or a GGUF file") from None
+    if not any(d.glob("*.safetensors")):
+        raise StartError(f"{key}: {d} holds no weights (*.safetensors, which astratk loads); a frozen model is "
+                         "served as saved, so save it with save_pretrained")
+    try:
+        tokenizer = load_tokenizer(d)
+    except Exception as e:  # noqa: BLE001 - a tokenizer that fails its round trip, or does not load at all
+        raise StartError(f"{key}: the tokenizer in {d} cannot be used: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0]}") from None
+    if tokenizer is None:
+        raise StartError(f"{key}: {d} holds no tokenizer; the env talks to a frozen model in text, so save its "
+                         "tokenizer beside it (tokenizer.save_pretrained)")
 
 
 def check_output_dir(spec: RunSpec) -> None:

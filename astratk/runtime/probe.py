@@ -129,6 +129,7 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
 
     from astratk import cpu
     from astratk.rollout.service import RolloutService
+    from astratk.runtime.checks import check_frozen_model
     from astratk.runtime.deploy import publish_initial
     from astratk.weights.store import WeightStore
 
@@ -146,6 +147,7 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
             tools[pid] = shown
     for i, f in enumerate(spec.frozen):  # the frozen models the episodes call (a simulated user), as a run serves them
         paths[f.name] = str(ensure_model(f.model, spec.env, log=printer, key=f"frozen[{i}].model"))
+        check_frozen_model(paths[f.name], f"frozen[{i}].model")
     t0 = time.perf_counter()  # sampling only: a model's build or warm start above is not the engine's speed
     with tempfile.TemporaryDirectory(prefix="astratk-probe-") as store_url:
         store = WeightStore.from_spec(store_url, spec.weights)

@@ -37,6 +37,7 @@ from astratk.models.tools import tool_status
 from astratk.records import Drop, RunContext
 from astratk.rollout.bounded import abandoned_threads
 from astratk.runtime import warm
+from astratk.runtime.checks import check_frozen_model
 from astratk.runtime.cluster import connect, start_local_cluster
 from astratk.runtime.drive import Drive
 from astratk.runtime.live_metrics import LiveMetrics
@@ -209,6 +210,7 @@ class Session(Drive, WrapUp, LiveMetrics):
         for i, f in enumerate(self.spec.frozen):  # served beside the policies, never trained nor published
             t = time.perf_counter()
             path = str(ensure_model(f.model, self.spec.env, log=self.print, key=f"frozen[{i}].model"))
+            check_frozen_model(path, f"frozen[{i}].model")
             self.model_paths[f.name] = path
             self.print(f"frozen model {f.name!r} for role(s) {', '.join(f.roles)}: {path} "
                        f"({time.perf_counter() - t:.0f}s; served on the rollout workers, never trained)")

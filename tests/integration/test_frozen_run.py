@@ -90,3 +90,22 @@ def test_a_policy_trained_on_a_frozen_judge_is_measured_by_the_ground_truth(tmp_
     assert float(ds["data_reward_mean_received"].sel(policy="main")) == 1.0  # trained on the verdicts ...
     assert float(ds["eval_accuracy"].isel(evaluation=-1).max()) < 1.0  # ... measured on the held-out truth
     assert result.summary["frozen"]["judge"]["calls_per_episode"] == 1.0
+
+
+def test_a_frozen_model_without_weights_stops_the_run_at_start_in_one_line(tmp_path):
+    from transformers import Qwen2Config
+
+    from astratk.models import build_char_tokenizer
+    from astratk.models.tokenizer import save_char_tokenizer
+    from astratk.spec import StartError
+
+    empty = tmp_path / "checker"
+    Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=128, vocab_size=300).save_pretrained(empty)
+    save_char_tokenizer(build_char_tokenizer(), empty)
+    base = spec(tmp_path)
+    run = dataclasses.replace(base, frozen=[dataclasses.replace(base.frozen[0], model=ModelSpec(path=str(empty)))])
+    lines: list[str] = []
+    with pytest.raises(StartError, match=r"frozen\[0\]\.model\.path: .*checker' has no safetensors weights"):
+        Run(run, printer=lines.append).start()
+    assert not any(line.startswith("cluster up") for line in lines)  # refused before anything started

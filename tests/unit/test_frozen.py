@@ -154,3 +154,31 @@ def test_the_data_layer_counts_a_frozen_models_groups_and_never_serves_them():
     assert m["data/frozen/checker/episode_ms"] == 2000
     assert not any(k.startswith("data/checker/") for k in m)  # no policy of that name: nothing queued for it
     assert dl.drops() == [] or all(d.policy_id != "checker" for d in dl.drops())
+
+
+def test_a_frozen_model_that_cannot_load_is_refused_at_start_in_one_line(tmp_path):
+    """Nothing loads a frozen model on the driver's machine before a rollout worker does, so the start checks it:
+    a config transformers cannot read, no weights, no tokenizer: each a one-line StartError naming the key."""
+    from transformers import Qwen2Config
+
+    from astratk.models import build_char_tokenizer
+    from astratk.models.tokenizer import save_char_tokenizer
+    from astratk.runtime.checks import check_frozen_model
+    from astratk.spec import StartError
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(StartError, match=r"^frozen\[0\]\.model: .*broken cannot be loaded as a model: ") as e:
+        check_frozen_model(broken, "frozen[0].model")
+    assert "\n" not in str(e.value)
+    bare = tmp_path / "bare"
+    Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                intermediate_size=128, vocab_size=300).save_pretrained(bare)
+    with pytest.raises(StartError, match=r"frozen\[0\]\.model: .*bare holds no weights"):
+        check_frozen_model(bare, "frozen[0].model")
+    (bare / "model.safetensors").write_bytes(b"")
+    with pytest.raises(StartError, match=r"frozen\[0\]\.model: .*bare holds no tokenizer"):
+        check_frozen_model(bare, "frozen[0].model")
+    save_char_tokenizer(build_char_tokenizer(), bare)
+    check_frozen_model(bare, "frozen[0].model")  # config, weights, tokenizer: served as it is
