@@ -184,6 +184,12 @@ class Env(abc.ABC):
         """The chat messages that open an episode (warm starts train on them; single-turn envs roll out from them)."""
         raise NotImplementedError(f"env {self.name!r} does not expose its opening messages")
 
+    def signal_advice(self, means: Mapping[str, float]) -> list[str]:
+        """What to change when a run or probe sees little learning signal, read from this env's own trajectory
+        metrics: `means` maps `<role>/<metric>` to its mean over the episodes seen (a run's so far, a probe's). The
+        lines join the generic advice of the starvation line and `astratk probe`, first. None by default."""
+        return []
+
     def grade(self, task: Task, text: str) -> float:
         """Reward of one completion text, for envs whose score is a pure function of the text."""
         raise NotImplementedError(f"env {self.name!r} has no text grader")

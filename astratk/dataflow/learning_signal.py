@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # What agent and multi-turn episodes report, read from the trajectories' metrics under the names envs give them
 # (the first name present counts; unparseable calls add up): AgentEnv's `calls` are its turns; the actions an env
@@ -136,6 +137,7 @@ class SignalReading:
     unfinished: float | None = None  # share of samples that hit max_new_tokens
     greedy_accuracy: float | None = None  # held-out accuracy at greedy decoding, where known
     agent: AgentReading | None = None  # tool calls, turns and endings of agent and multi-turn episodes
+    env_advice: tuple[str, ...] = ()  # what the env reads in its own trajectory metrics (`Env.signal_advice`)
 
     @property
     def signal_share(self) -> float:
@@ -155,6 +157,7 @@ def advice(r: SignalReading, *, group_size: int, temperature: float, max_new_tok
     drops = dict(sorted(r.dropped.items(), key=lambda kv: -kv[1]))
     main = next(iter(drops), None)
     mean = r.reward_mean
+    out.extend(r.env_advice)  # the env knows its own failure modes (a judge that says no to everything) best
     if r.agent is not None:  # an agent that never calls its tools is the first thing to fix
         out.extend(r.agent.advice(max_new_tokens))
     if main == "stale":
@@ -205,3 +208,22 @@ def describe(r: SignalReading, *, group_size: int, temperature: float, max_new_t
     todo = advice(r, group_size=group_size, temperature=temperature, max_new_tokens=max_new_tokens,
                   max_staleness=max_staleness)
     return line + (" To get signal: " + "; ".join(todo) if todo else "")
+
+
+def trajectory_means(metrics: Mapping[str, float], policy_id: str) -> dict[str, float]:
+    """A policy's trajectory metric means from the data layer's metrics (`data/<policy>/traj/<role>/<name>_mean`),
+    keyed `<role>/<name>` as `Env.signal_advice` reads them."""
+    prefix = f"data/{policy_id}/traj/"
+    return {k[len(prefix):-len("_mean")]: float(v) for k, v in metrics.items()
+            if k.startswith(prefix) and k.endswith("_mean")}
+
+
+def env_advice(env: Any, means: Mapping[str, float]) -> tuple[str, ...]:
+    """The env's own advice on these means; an env whose hook fails gives none (advice must never stop a run)."""
+    hook = getattr(env, "signal_advice", None)
+    if hook is None or not means:
+        return ()
+    try:
+        return tuple(str(line) for line in hook(means))
+    except Exception:  # noqa: BLE001 - a user env's bug in its advice hook must not end the run it advises
+        return ()

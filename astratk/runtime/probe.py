@@ -29,7 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from astratk.dataflow.learning_signal import AgentReading, SignalReading, advice, agent_counts, describe
+from astratk.dataflow.learning_signal import (
+    AgentReading,
+    SignalReading,
+    advice,
+    agent_counts,
+    describe,
+    env_advice,
+)
 from astratk.models import ensure_model
 from astratk.models.tools import tool_status
 from astratk.records import Lease, RunContext
@@ -177,6 +184,15 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies, too_long, frozen)
 
 
+def _means(trajectories: list[Any]) -> dict[str, float]:
+    """Trajectory metric means keyed `<role>/<name>`, as a run's data layer keeps them (`Env.signal_advice`)."""
+    sums: dict[str, list[float]] = {}
+    for t in trajectories:
+        for name, value in t.metrics.items():
+            sums.setdefault(f"{t.role}/{name}", []).append(float(value))
+    return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
 def _frozen_calls(name: str, groups: list[Any]) -> dict[str, float]:
     """A frozen model's replies over the probed episodes, from the counts each episode's trajectories carry."""
     episodes = {t.group_id: t.metrics for g in groups for t in g.trajectories}
@@ -232,7 +248,8 @@ def _summarise(pid: str, groups: list[Any], spec: Any, greedy: float | None,
                             dropped={"zero_variance": float(len(groups) - signal)} if len(groups) > signal else {},
                             samples=len(flat), reward_mean=sum(flat) / len(flat) if flat else None,
                             unfinished=(sum(1 for t in samples if not t.finished) / len(samples)) if samples else None,
-                            greedy_accuracy=greedy, agent=agent)
+                            greedy_accuracy=greedy, agent=agent,
+                            env_advice=env_advice(spec.env, _means(samples)))
     options = {"group_size": k, "temperature": spec.rollout.temperature,
                "max_new_tokens": spec.rollout.max_new_tokens}
     todo = (advice(reading, **options) if reading.signal_share < 0.5

@@ -20,7 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading, SignalReading, describe
+from astratk.dataflow.learning_signal import (
+    AGENT_METRICS,
+    AgentReading,
+    SignalReading,
+    describe,
+    env_advice,
+    trajectory_means,
+)
 
 NO_ROLLOUT_S = 60.0  # a wait this long with no rollout at all is said; shorter ones are engines starting
 TOO_LONG_CHUNKS = 2  # a run whose first this-many chunks per rollout worker were all too long stops
@@ -197,7 +204,8 @@ class StarvationMonitor:
                              dropped=dropped, samples=int(samples),
                              reward_mean=delta("reward_sum_received") / samples if samples else None,
                              unfinished=delta("samples_unfinished") / samples if samples else None,
-                             greedy_accuracy=self.greedy(pid), agent=agent)
+                             greedy_accuracy=self.greedy(pid), agent=agent,
+                             env_advice=env_advice(self.spec.env, trajectory_means(metrics, pid)))
 
     def _staleness(self, pid: str) -> int:
         own = self.spec.policy(pid).trainer.max_staleness

@@ -100,3 +100,33 @@ def test_the_short_name_and_the_warm_start_teach_the_policy_only(env):
     [(messages, answer)] = env.demonstrations(task)
     assert messages == env.messages(task) and answer == env.demonstration(task)
     assert dataclasses.replace(task, split="heldout").split == "heldout"
+
+
+def test_the_envs_advice_names_a_judge_that_gives_no_signal(env):
+    from astratk.dataflow.learning_signal import SignalReading, describe, env_advice, trajectory_means
+
+    says_no = {"policy/judge_unparseable": 0.0, "policy/judge_verdict": 0.008, "policy/judge_agrees": 0.6,
+               "policy/ground_truth": 0.4}
+    [line] = env.signal_advice(says_no)
+    assert "same verdict to nearly every answer" in line and "mean verdict 0.008" in line and "60%" in line
+    unread = env.signal_advice({**says_no, "policy/judge_unparseable": 0.7, "policy/judge_verdict": -0.7})
+    assert "70% of the judge's replies could not be read" in unread[0]
+    # unreadable replies count -1 in the verdict mean: 20% unreadable and the rest all yes reads as a mean of 0.6
+    assert env.signal_advice({**says_no, "policy/judge_unparseable": 0.2, "policy/judge_verdict": 0.6})[0].count(
+        "mean verdict 1.000") == 1
+    gamed = {"policy/judge_unparseable": 0.0, "policy/judge_verdict": 0.5, "policy/judge_agrees": 0.5,
+             "policy/ground_truth": 0.3}
+    assert "poor guide" in env.signal_advice(gamed)[0]
+    assert env.signal_advice({**gamed, "policy/judge_agrees": 0.9}) == [] and env.signal_advice({}) == []
+    # as the run's starvation line and the probe read it: from the data layer's means, first in the advice
+    metrics = {f"data/main/traj/{k}_mean": v for k, v in says_no.items()} | {"data/main/groups_received": 4.0}
+    reading = SignalReading(groups=16, admitted=1, dropped={"zero_variance": 15.0}, samples=128, reward_mean=0.008,
+                            env_advice=env_advice(env, trajectory_means(metrics, "main")))
+    line = describe(reading, group_size=8, temperature=0.7, max_new_tokens=32)
+    assert line.index("same verdict to nearly every answer") < line.index("larger rollout.group_size")
+
+    class Broken:
+        def signal_advice(self, means):
+            raise RuntimeError("a bug in a user's env")
+
+    assert env_advice(Broken(), says_no) == ()  # advice never stops a run
