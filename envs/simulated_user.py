@@ -53,7 +53,9 @@ A role that produced no token in an episode (the agent when a written opening al
 when the agent submitted at once) gets no reward (None): nothing of it can be trained.
 
 Metrics on the agent's trajectory: `submitted`, `user_stopped`, `turn_limit`, `context_limit` (exactly one of these
-four is 1: how the episode ended), `correct`, `user_turns`, `user_tokens` (tokens the user's model generated), plus
+four is 1: how the episode ended), `correct`, `user_turns`, `user_tokens` (tokens the user's model generated),
+`user_gave_goal` (a reply the user's model wrote held the goal value: `signal_advice` names a user that keeps it
+back), plus
 the conversation's own (`turns`, `env_tokens`, `env_truncations`, `truncated_turns`, `context_exhausted`, ...). The
 user's trajectory carries `correct` and its own conversation's metrics.
 
@@ -476,6 +478,25 @@ class SimulatedUserEnv(Env):
         return episode.trajectories(group_id, policy_ids)
 
     # --------------------------------------------------------------------------------------------------- score
+    def signal_advice(self, means: Mapping[str, float]) -> list[str]:
+        """What a run or probe with little signal should change, from the agent's trajectories: a user model that
+        keeps the value back (a small chat model answers as an assistant would, and refuses), or an agent that hears
+        it and does not submit it."""
+        gave, replies = means.get("agent/user_gave_goal"), means.get("agent/user_turns", 0.0)
+        if gave is None or not replies:
+            return []
+        correct = means.get("agent/correct", 0.0)
+        if gave < 0.2:
+            return [(f"the user gave the value in {gave:.0%} of episodes ({replies:.1f} replies each): a user model "
+                    "that keeps it back leaves the agent nothing to submit; sample it (the frozen model's "
+                    "temperature: 1.0), a stronger user model (frozen[].model.path), or a user_prompt that tells it "
+                    "what to give")]
+        if correct < 0.5 * gave:
+            return [(f"the user gave the value in {gave:.0%} of episodes, the agent submitted it right in "
+                    f"{correct:.0%}: a warm start on demonstrated episodes (model.warm_start) teaches the agent to "
+                    "submit what it heard")]
+        return []
+
     def grade(self, task: Task, text: str) -> float:
         """1.0 when the text's first `<submit>` value matches the goal after `normalize_value`, else 0.0."""
         value = submitted_value(text)
@@ -527,6 +548,7 @@ class _Episode:
         self.agent: Conversation | None = None
         self.user: Conversation | None = None
         self.ended = ""  # submitted, user_stopped, turn_limit or context_limit
+        self.gave_goal = False  # whether a reply the user's model wrote held the goal value
 
     async def run(self) -> None:
         """Agent turn, user reply, ... until a submission, the user's stop word, or a limit."""
@@ -578,6 +600,8 @@ class _Episode:
                 raise
             self.ended = "context_limit"
             return None
+        goal = normalize_value(str(self.task.info["goal"]))
+        self.gave_goal = self.gave_goal or bool(goal) and goal in normalize_value(turn.text)
         if self.env.stop_word in turn.text:
             self.ended = "user_stopped"
             return None
@@ -591,7 +615,8 @@ class _Episode:
         ends = {name: float(self.ended == name) for name in ("submitted", "user_stopped", "turn_limit",
                                                                 "context_limit")}
         return {**ends, "correct": self.env.grade(self.task, last) if self.ended == "submitted" else 0.0,
-                "user_turns": user["turns"], "user_tokens": user["policy_tokens"]}
+                "user_turns": user["turns"], "user_tokens": user["policy_tokens"],
+                "user_gave_goal": float(self.gave_goal)}
 
     def trajectories(self, group_id: str, policy_ids: Mapping[str, str]) -> list[Trajectory]:
         """The agent's trajectory, then the user's (its prompt alone when its model never spoke)."""

@@ -155,21 +155,21 @@ class JudgedEnv(Env):
             return []
         parse = self.parse if isinstance(self.parse, str) else "a function"
         if unread >= 0.5:
-            return [f"{unread:.0%} of the judge's replies could not be read as a verdict (parse: {parse}): a template "
+            return [(f"{unread:.0%} of the judge's replies could not be read as a verdict (parse: {parse}): a template "
                     "that asks for the verdict's words, more judge_max_tokens, or a stronger judge model "
-                    "(frozen[].model.path)"]
+                    "(frozen[].model.path)")]
         read = 1.0 - unread
         verdict = (means.get("policy/judge_verdict", 0.0) + unread) / read  # unreadable replies count -1 there
         agree = means.get("policy/judge_agrees", 0.0) / read
         truth = means.get("policy/ground_truth", float("nan"))
         said = f"its verdicts agree with the ground truth on {agree:.0%} of answers, {truth:.0%} of which are right"
         if verdict <= 0.05 or verdict >= 0.95:
-            return [f"the judge gives the same verdict to nearly every answer it reads (mean verdict {verdict:.3f}; "
+            return [(f"the judge gives the same verdict to nearly every answer it reads (mean verdict {verdict:.3f}; "
                     f"{said}): a judge that does not tell answers apart gives no signal; a stronger judge model "
-                    "(frozen[].model.path) or a clearer template (a reference answer for it to compare with)"]
+                    "(frozen[].model.path) or a clearer template (a reference answer for it to compare with)")]
         if agree < 0.6:
-            return [f"the judge is a poor guide ({said}): the policy will learn what the judge rewards, not what is "
-                    "right; watch data_traj_policy_ground_truth_mean, or use a stronger judge model"]
+            return [(f"the judge is a poor guide ({said}): the policy will learn what the judge rewards, not what is "
+                    "right; watch data_traj_policy_ground_truth_mean, or use a stronger judge model")]
         return []
 
     # ------------------------------------------------------------------------------------------------ score

@@ -98,6 +98,7 @@ def test_agent_asks_user_answers_agent_submits(env, task):
     assert all(v == -1 for v, m in zip(agent.behavior_versions, agent.loss_mask, strict=True) if not m)
     assert ending(agent) == "submitted" and agent.metrics["turns"] == 2 and agent.metrics["correct"] == 1.0
     assert agent.metrics["user_turns"] == 1 and agent.metrics["user_tokens"] == len(said(task.info["answer"]))
+    assert agent.metrics["user_gave_goal"] == 1.0  # the user's reply held the order number
     # the user's own trajectory: its reply trainable, its hidden instructions in its prompt only
     assert [(m, t) for m, t in segments(user)] == [(1, task.info["answer"] + "<|im_end|>")]
     assert task.info["instructions"] in TOK.decode(list(user.tokens[:user.n_prompt]))
@@ -121,7 +122,7 @@ def test_a_wrong_value_scores_zero_and_values_normalise(env, task):
 
 def test_the_user_ends_the_episode_with_the_stop_word(env, task):
     (agent, user), rewards, *_ = play(env, task, ["Anything else?"], [f"No, that's all. {STOP_WORD}"])
-    assert ending(agent) == "user_stopped" and rewards == [0.0, 0.0]
+    assert ending(agent) == "user_stopped" and rewards == [0.0, 0.0] and agent.metrics["user_gave_goal"] == 0.0
     assert agent.metrics["turns"] == 1 and agent.metrics["user_turns"] == 1
     assert [m for m, _ in segments(agent)] == [1]  # the agent never sees the stop message
     assert STOP_WORD in user.text
@@ -286,3 +287,14 @@ def test_the_short_name_and_the_config_build_the_env(tmp_path):
     assert spec.env.user_temperature is None and spec.env.kinds == ("refund",) and spec.env.max_turns == 4
     path.write_text(dump_spec(spec))
     assert list(load_spec(path).env.tasks("heldout")) == list(spec.env.tasks("heldout"))
+
+
+
+def test_the_envs_advice_names_a_user_that_keeps_the_value_back(env):
+    refuses = {"agent/user_gave_goal": 0.06, "agent/user_turns": 2.5, "agent/correct": 0.0}
+    [line] = env.signal_advice(refuses)
+    assert "the user gave the value in 6% of episodes (2.5 replies each)" in line and "temperature: 1.0" in line
+    [line] = env.signal_advice({**refuses, "agent/user_gave_goal": 0.5, "agent/correct": 0.1})
+    assert "the agent submitted it right in 10%" in line and "model.warm_start" in line
+    assert env.signal_advice({**refuses, "agent/user_gave_goal": 0.5, "agent/correct": 0.4}) == []
+    assert env.signal_advice({**refuses, "agent/user_turns": 0.0}) == [] and env.signal_advice({}) == []
