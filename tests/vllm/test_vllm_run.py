@@ -35,3 +35,19 @@ def test_run_with_vllm_engine_in_dask_workers(tmp_path):
     assert int(on_policy.sum()) >= 1
     assert float(main["loss_tv_max"].where(on_policy).max()) < 1e-4
     assert ds.sizes["evaluation"] >= 2
+
+
+def test_a_frozen_model_served_by_vllm_beside_a_torch_policy(tmp_path):
+    """`frozen[].engine: vllm`: the frozen verifier is served by vLLM in the same worker as the policy's TorchEngine;
+    its replies are counted and never trained on."""
+    import dataclasses
+
+    from tests.integration.test_frozen_run import spec as frozen_spec
+
+    base = frozen_spec(tmp_path)
+    run = dataclasses.replace(base, frozen=[dataclasses.replace(base.frozen[0], engine="vllm",
+                                                                engine_args={"max_batch": 64})])
+    result = Run(run, printer=lambda s: None).start()
+    assert result.summary["final_version"] == 3
+    frozen = result.summary["frozen"]["checker"]
+    assert frozen["calls_per_episode"] == 1.0 and frozen["calls"] > 0 and 1 <= frozen["tokens"] / frozen["calls"] <= 3
