@@ -13,7 +13,7 @@ Extending:
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -193,6 +193,16 @@ class Env(abc.ABC):
     def grade(self, task: Task, text: str) -> float:
         """Reward of one completion text, for envs whose score is a pure function of the text."""
         raise NotImplementedError(f"env {self.name!r} has no text grader")
+
+
+def split_tasks(split: str, heldout: Sequence[Task], train: Callable[[], Iterator[Task]]) -> Iterator[Task]:
+    """`Env.tasks` for the common shape: a fixed held-out list and a train stream made on demand; any other split
+    name is refused, naming the two."""
+    if split == "heldout":
+        return iter(heldout)
+    if split != "train":
+        raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
+    return train()
 
 
 # ---------------------------------------------------------------------------------------------------------- losses

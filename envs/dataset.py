@@ -21,7 +21,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from astratk.contracts import Env
+from astratk.contracts import Env, split_tasks
 from astratk.records import Task
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -184,11 +184,7 @@ class DatasetEnv(Env):
 
     # ------------------------------------------------------------------------------------------------ tasks
     def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
+        return split_tasks(split, self._heldout, self._train_stream)
 
     def _train_stream(self) -> Iterator[Task]:
         for epoch in itertools.count():

@@ -77,7 +77,7 @@ import string
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams
+from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams, split_tasks
 from astratk.envs.dataset import load_rows
 from astratk.envs.jsonl import records
 from astratk.envs.multiturn import Budget, ChatTurns, Conversation, encode_chat, parse_tags
@@ -395,11 +395,7 @@ class SimulatedUserEnv(Env):
         raise ValueError(f"n_heldout={n}: the kinds {list(self.kinds)} have fewer distinct tasks; lower n_heldout")
 
     def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
+        return split_tasks(split, self._heldout, self._train_stream)
 
     def _train_stream(self) -> Iterator[Task]:
         """Built-in: an endless stream of new tasks (held-out ones skipped). A user's rows: each once per epoch,

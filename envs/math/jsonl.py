@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from astratk.contracts import split_tasks
 from astratk.envs.jsonl import records
 from astratk.envs.math.grading import MathGrader, last_boxed
 from astratk.envs.math.word import SingleTurnMathEnv
@@ -156,11 +157,7 @@ class MathJsonlEnv(SingleTurnMathEnv):
                     info={"answer": x.answer, "line": x.line}, split=split)  # type: ignore[arg-type]
 
     def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
+        return split_tasks(split, self._heldout, self._train_stream)
 
     def _train_stream(self) -> Iterator[Task]:
         for epoch in itertools.count():

@@ -11,6 +11,7 @@ import itertools
 import random
 from collections.abc import Container, Iterator, Sequence
 
+from astratk.contracts import split_tasks
 from astratk.records import Task
 
 
@@ -48,11 +49,7 @@ class LevelledSplits:
         return list(tasks.values())
 
     def tasks(self, split: str) -> Iterator[Task]:
-        if split == "heldout":
-            return iter(self._heldout)
-        if split != "train":
-            raise ValueError(f"unknown split {split!r}; choose 'train' or 'heldout'")
-        return self._train_stream()
+        return split_tasks(split, self._heldout, self._train_stream)
 
     def _train_stream(self) -> Iterator[Task]:
         rng = random.Random(f"{self.seed}/train")
