@@ -109,3 +109,47 @@ def test_a_frozen_model_without_weights_stops_the_run_at_start_in_one_line(tmp_p
     with pytest.raises(StartError, match=r"frozen\[0\]\.model\.path: .*checker' has no safetensors weights"):
         Run(run, printer=lines.append).start()
     assert not any(line.startswith("cluster up") for line in lines)  # refused before anything started
+
+
+def test_a_killed_rollout_worker_comes_back_serving_the_frozen_model_too(tmp_path):
+    """SIGKILL the rollout worker mid-run: its nanny restarts it, and the new process builds the frozen verifier's
+    engine again from its model, as it does the policy's; every step still trains, every episode still calls it."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from astratk.runtime.session import Session
+    from tests.integration.test_worker_failure import rollout_worker
+
+    base = spec(tmp_path)
+    run = dataclasses.replace(
+        base, policies=[dataclasses.replace(base.policies[0], trainer=dataclasses.replace(
+            base.policies[0].trainer, max_steps=8))],
+        cluster=dataclasses.replace(base.cluster, processes=True, worker_start="spawn", keep_warm_s=0),
+        dataflow=dataclasses.replace(base.dataflow, lease_timeout_s=30.0))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    killed: dict[str, float] = {}
+
+    def killer(session: Session) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and session.deployment.datalayer.metrics().get(
+                "data/solver/groups_served", 0) < 4:
+            time.sleep(0.2)
+        _, pid = rollout_worker(session.client)
+        killed["episodes"] = session.deployment.datalayer.metrics().get("data/frozen/checker/episodes", 0.0)
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+
+    with Session(run, run_dir, lambda line: None) as session:
+        thread = threading.Thread(target=killer, args=(session,), daemon=True)
+        thread.start()
+        summary = session.train()
+        thread.join(5)
+        _, new_pid = rollout_worker(session.client)
+        counters = session.counters
+    assert "pid" in killed and new_pid != killed["pid"]
+    assert summary["steps"] == 8 and summary["final_version"] == 8
+    after = counters["data/frozen/checker/episodes"] - killed["episodes"]
+    assert after > 0 and counters["data/frozen/checker/episode_calls"] == counters["data/frozen/checker/episodes"]
