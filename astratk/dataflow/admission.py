@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from astratk.dataflow.drops import DropLedger
-from astratk.dataflow.learning_signal import agent_counts
+from astratk.dataflow.learning_signal import agent_counts, episode_totals
 from astratk.dataflow.snapshots import same_keys
 from astratk.dataflow.stages.base import GroupFilter
 from astratk.records import Group, Task
@@ -127,12 +127,12 @@ class Admission:
         self.counts[key + "groups"] += 1
         self.counts[key + "trajectories"] += len(group.trajectories)
         self.counts[key + "tokens"] += sum(sum(t.loss_mask) for t in group.trajectories)
-        # the episodes' calls to it (`astratk.rollout.frozen`), once per episode whichever of its roles carries them
-        episodes = {t.group_id: t.metrics for t in group.trajectories}
-        self.counts[key + "episodes"] += len(episodes)
-        for name, what, scale in (("calls", "calls", 1), ("tokens", "tokens", 1), ("ms", "seconds", 1000)):
-            self.counts[key + f"episode_{name}"] += round(scale * sum(float(m.get(f"frozen/{group.policy_id}/{what}", 0))
-                                                                      for m in episodes.values()))
+        # the episodes' calls to it (`astratk.rollout.frozen`), in whole units: the counters are integers
+        totals = episode_totals(group.policy_id, group.trajectories)
+        self.counts[key + "episodes"] += round(totals["episodes"])
+        self.counts[key + "episode_calls"] += round(totals["calls"])
+        self.counts[key + "episode_tokens"] += round(totals["tokens"])
+        self.counts[key + "episode_ms"] += round(1000 * totals["seconds"])
 
     def admitted(self, policy_id: str) -> int:
         return self.counts[f"data/{policy_id}/groups_admitted"]

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,3 +227,23 @@ def env_advice(env: Any, means: Mapping[str, float]) -> tuple[str, ...]:
         return tuple(str(line) for line in hook(means))
     except Exception:  # noqa: BLE001 - a user env's bug in its advice hook must not end the run it advises
         return ()
+
+
+def episode_totals(name: str, trajectories: Sequence[Any]) -> dict[str, float]:
+    """The episodes among `trajectories` and their calls, tokens and seconds to frozen model `name`, each episode
+    counted once whichever of its trajectories carry the counts (they all do: `astratk.rollout.frozen.with_counts`)."""
+    episodes = {t.group_id: t.metrics for t in trajectories}
+    out = {"episodes": float(len(episodes))}
+    for what in ("calls", "tokens", "seconds"):
+        out[what] = sum(float(m.get(f"frozen/{name}/{what}", 0.0)) for m in episodes.values())
+    return out
+
+
+def totals_line(name: str, totals: Mapping[str, float]) -> str:
+    """One line on a frozen model's work (a run's end, a probe): replies, tokens, episodes and time per reply."""
+    calls, episodes = totals["calls"], totals["episodes"]
+    if not calls:
+        return f"frozen model {name!r}: no episode called it; do the env's roles reach it (frozen.roles)?"
+    return (f"frozen model {name!r}: {calls:.0f} replies ({totals['tokens']:.0f} tokens) in {episodes:.0f} episodes, "
+            f"{calls / max(episodes, 1):.2f} per episode, {1000 * totals['seconds'] / calls:.0f} ms per reply; "
+            "never trained on")

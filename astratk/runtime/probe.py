@@ -36,6 +36,8 @@ from astratk.dataflow.learning_signal import (
     agent_counts,
     describe,
     env_advice,
+    episode_totals,
+    totals_line,
 )
 from astratk.models import ensure_model
 from astratk.models.tools import tool_status
@@ -103,11 +105,7 @@ class ProbeReport:
                 continue
             rows.append("  " + ("to get more signal: " + "; ".join(p.advice) if p.advice else
                                 "enough signal to train: every group with unequal rewards is a learning step's input"))
-        for name, f in self.frozen.items():
-            calls = f["calls"]
-            rows.append(f"frozen model {name!r}: {calls:.0f} replies ({f['tokens']:.0f} tokens) in {f['episodes']:.0f} "
-                        f"episodes, {f['seconds'] / calls * 1000:.0f} ms per reply" if calls else
-                        f"frozen model {name!r}: no episode called it; do the env's roles reach it (frozen.roles)?")
+        rows.extend(totals_line(name, f) for name, f in self.frozen.items())
         return "\n".join(rows)
 
     def _repr_html_(self) -> str:
@@ -146,7 +144,7 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     paths = {p.policy_id: str(ensure_model(p.model, spec.env, log=printer, key=f"policies[{i}].model"))
              for i, p in enumerate(spec.policies)}
     tools = {}
-    for pid, path in list(paths.items()):
+    for pid, path in paths.items():
         lines, shown = tool_status(spec.env, pid, path)
         for line in lines:
             printer(f"probe: {line}")
@@ -180,7 +178,8 @@ def _probe(spec: Any, n_tasks: int, printer: Callable[[str], None], eval_tasks: 
     policies = {p.policy_id: _summarise(p.policy_id, [g for g in groups if g.policy_id == p.policy_id], spec,
                                         greedy.get(p.policy_id), tools.get(p.policy_id)) for p in spec.policies}
     too_long = sum(1 for res in results if res.dropped == "prompt_too_long")
-    frozen = {f.name: _frozen_calls(f.name, groups) for f in spec.frozen}
+    every = [t for g in groups for t in g.trajectories]
+    frozen = {f.name: episode_totals(f.name, every) for f in spec.frozen}
     return ProbeReport(len(tasks), time.perf_counter() - t0, tokens, policies, too_long, frozen)
 
 
@@ -191,15 +190,6 @@ def _means(trajectories: list[Any]) -> dict[str, float]:
         for name, value in t.metrics.items():
             sums.setdefault(f"{t.role}/{name}", []).append(float(value))
     return {k: sum(v) / len(v) for k, v in sums.items()}
-
-
-def _frozen_calls(name: str, groups: list[Any]) -> dict[str, float]:
-    """A frozen model's replies over the probed episodes, from the counts each episode's trajectories carry."""
-    episodes = {t.group_id: t.metrics for g in groups for t in g.trajectories}
-    out = {"episodes": float(len(episodes))}
-    for what in ("calls", "tokens", "seconds"):
-        out[what] = sum(float(m.get(f"frozen/{name}/{what}", 0.0)) for m in episodes.values())
-    return out
 
 
 def _first(iterable: Any, n: int) -> list[Any]:

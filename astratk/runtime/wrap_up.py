@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from astratk.dataflow.drops import NO_ROLLOUT
-from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading
+from astratk.dataflow.learning_signal import AGENT_METRICS, AgentReading, totals_line
 from astratk.runtime.starvation import EVALUATING
 from astratk.spec import RunSpec
 
@@ -160,14 +160,14 @@ class WrapUp:
         time an episode waited for a reply (`astratk.rollout.frozen`)."""
         counters = getattr(self, "counters", {})
         key = f"data/frozen/{name}/"
-        episodes, calls = counters.get(key + "episodes", 0.0), counters.get(key + "episode_calls", 0.0)
-        tokens, seconds = counters.get(key + "episode_tokens", 0.0), counters.get(key + "episode_ms", 0.0) / 1000
-        per_call = seconds / calls if calls else float("nan")
-        line = (f"frozen model {name!r}: {calls:.0f} replies ({tokens:.0f} tokens) in {episodes:.0f} episodes, "
-                f"{calls / max(episodes, 1):.2f} per episode, {per_call * 1000:.0f} ms per reply; never trained on"
-                if calls else f"frozen model {name!r}: no episode called it (do the env's roles reach it?)")
-        return {"episodes": int(episodes), "calls": int(calls), "tokens": int(tokens),
-                "calls_per_episode": calls / max(episodes, 1), "seconds_per_call": per_call, "line": line}
+        totals = {"episodes": counters.get(key + "episodes", 0.0), "calls": counters.get(key + "episode_calls", 0.0),
+                  "tokens": counters.get(key + "episode_tokens", 0.0),
+                  "seconds": counters.get(key + "episode_ms", 0.0) / 1000}
+        calls, episodes = totals["calls"], totals["episodes"]
+        return {"episodes": int(episodes), "calls": int(calls), "tokens": int(totals["tokens"]),
+                "calls_per_episode": calls / max(episodes, 1),
+                "seconds_per_call": totals["seconds"] / calls if calls else float("nan"),
+                "line": totals_line(name, totals)}
 
     def _policy_summary(self, pid: str, result: dict[str, Any]) -> dict[str, Any]:
         """One policy's numbers in a multi-policy run's summary: its fit and its evaluations."""
