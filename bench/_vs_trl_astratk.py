@@ -192,12 +192,16 @@ class StoreFollower:
 
 
 def run_astratk(args: argparse.Namespace, lr: float, seed: int, marks: list[float], tmp: Path,
-                evaluate: HeldOut, initial: float) -> dict[str, Any]:
+                evaluate: HeldOut, initial: float, spec: Any = None) -> dict[str, Any]:
+    """One run from start to its evaluated snapshots; `spec`: a spec `astratk_spec` made and the caller changed
+    (bench/precision.py's loss and rollout dtype), else the bench's own for `lr` and `seed`."""
+    from _run_metrics import mismatch_figures
+
     from astratk.runtime.run import Run
 
     lines: list[str] = []
     log = print if args.verbose else lines.append
-    spec = astratk_spec(args, tmp, lr, seed, name=f"vs-trl-astratk-lr{lr:g}-s{seed}")
+    spec = spec or astratk_spec(args, tmp, lr, seed, name=f"vs-trl-astratk-lr{lr:g}-s{seed}")
     pid, every = spec.policies[0].policy_id, spec.policies[0].trainer.publish_every
     run = Run(spec, printer=log)
     follower = StoreFollower(run, pid, marks, every, lora=getattr(args, "lora", False))
@@ -223,12 +227,13 @@ def run_astratk(args: argparse.Namespace, lr: float, seed: int, marks: list[floa
                if k.startswith(key + "groups_dropped_") and v}
     for snap in follower.snapshots:  # evaluated after the run: nothing else runs on the machine meanwhile
         snap["accuracy"] = initial if snap["version"] == 0 else evaluate(follower.states.pop(snap["version"]))
+    mismatch = mismatch_figures(result.files["metrics"])  # |pi - mu|, skipped steps, the loss's fractions
     shutil.rmtree(result.run_dir, ignore_errors=True)
     return {"side": "astratk", "lr": lr, "seed": seed, "steps": int(s["steps"]), "train_time_s": s["train_time_s"],
             "samples": samples, "groups_received": int(counters.get(key + "groups_received", 0)),
             "samples_before_training": (None if "error" in follower.counters0 else  # None: counted in `samples`
                                         follower.counters0.get(key + "samples_received", 0.0)),
-            "groups_dropped": dropped, "wall_s": time.time() - wall, **rss.figures(),
+            "groups_dropped": dropped, "wall_s": time.time() - wall, **rss.figures(), **mismatch,
             "rollout_tokens_per_s": sum(float(r.get("tokens_per_s", 0.0)) for r in run.session.service_rows.values()),
             "summary": {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool)) or v is None},
             "snapshots": follower.snapshots}

@@ -55,6 +55,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _run_metrics import collapsed, mismatch_figures
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tutorials" / "quickstart.yaml"
 
@@ -80,7 +82,6 @@ ENVS = ("arithmetic", "math_word")
 # one colour per loss, the same in every panel (tab20's strong half, then its light half)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#aec7e8", "#ffbb78")
-COLLAPSE_DROP = 0.10  # accuracy this far below its start is a collapse even without a gain to lose
 
 
 # ---------------------------------------------------------------------------------------------------- one cell
@@ -123,22 +124,8 @@ def cell_spec(args: argparse.Namespace, loss: str, regime: str, seed: int, out_d
     return spec.validate()
 
 
-def _series(ds: Any, name: str) -> list[float]:
-    if name not in ds:
-        return []
-    values = ds[name].sel(policy=ds.policy.values[0]).values.tolist() if "policy" in ds[name].dims else \
-        ds[name].values.tolist()
-    return [float(v) for v in values]
-
-
-def _finite_mean(xs: list[float]) -> float:
-    xs = [x for x in xs if math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
 def run_cell(args: argparse.Namespace, loss: str, regime: str, seed: int, evaluate: Any, initial: float,
              tmp: Path) -> dict[str, Any]:
-    from astratk.metrics import load
     from astratk.runtime.run import Run
     from astratk.weights.store import WeightStore
 
@@ -163,28 +150,18 @@ def run_cell(args: argparse.Namespace, loss: str, regime: str, seed: int, evalua
         except KeyError:  # a version the divergence guard skipped is never published
             continue
         curve.append({"version": v, "accuracy": evaluate(state)})
-    ds = load(result.files["metrics"])
-    fracs = {}
-    for var in ds.data_vars:
-        if var.startswith("loss_") and var.endswith("_frac"):
-            fracs[var[len("loss_"):]] = _finite_mean(_series(ds, var))
-    pi_mu_mean, pi_mu_max = _series(ds, "train_pi_mu_abs_mean"), _series(ds, "train_pi_mu_abs_max")
-    staleness = _series(ds, "train_staleness_mean")
-    skipped = _series(ds, "train_skipped_steps")
+    figures = mismatch_figures(result.files["metrics"])
     shutil.rmtree(result.run_dir, ignore_errors=True)
     accs = [c["accuracy"] for c in curve]
     best, last = max(accs), accs[-1]
-    gain = best - initial
-    nonfinite = bool(skipped and skipped[-1] > 0) or bool(s.get("stopped_early") and "divergence" in str(
+    nonfinite = figures["skipped_steps"] > 0 or bool(s.get("stopped_early") and "divergence" in str(
         s.get("stop_reason", "")))
-    collapsed = nonfinite or (gain > 0 and last < initial + gain / 2) or last < initial - COLLAPSE_DROP
     return {"loss": loss, "regime": regime, "seed": seed, "env": args.env, "lr": args.lr, "updates": args.updates,
             "steps": int(s.get("steps", 0)), "train_time_s": float(s.get("train_time_s", math.nan)),
             "wall_s": time.time() - wall, "curve": curve, "initial": initial, "final": last, "best": best,
-            "collapsed": bool(collapsed), "nonfinite": nonfinite, "skipped_steps": int(skipped[-1]) if skipped else 0,
-            "pi_mu_abs_mean": _finite_mean(pi_mu_mean), "pi_mu_abs_max": max(pi_mu_max, default=math.nan),
-            "pi_mu_abs_mean_last": pi_mu_mean[-1] if pi_mu_mean else math.nan,
-            "staleness_mean": _finite_mean(staleness), "fractions": fracs,
+            "collapsed": collapsed(initial, accs[1:], nonfinite), "nonfinite": nonfinite,
+            **{k: figures[k] for k in ("skipped_steps", "pi_mu_abs_mean", "pi_mu_abs_max", "pi_mu_abs_mean_last",
+                                       "staleness_mean", "fractions")},
             "stopped_early": bool(s.get("stopped_early")), "stop_reason": s.get("stop_reason")}
 
 
