@@ -30,6 +30,7 @@ from astratk.models.chat import (  # noqa: F401
     _TOOL_CALL,
     ChatTurns,
     ToolCall,
+    chat_turns,
     encode_chat,
     parse_tool_call,
     parse_tool_calls,
@@ -112,7 +113,7 @@ class Conversation:
         prompt = encode_chat(tokenizer, [dict(m) for m in messages])
         if len(prompt) >= budget.max_context:  # the rollout service drops such a task, counted
             raise PromptTooLong(len(prompt), budget.max_context, "the episode's budget.max_context")
-        return cls(tokenizer, budget, list(prompt), len(prompt), chat or ChatTurns(tokenizer),
+        return cls(tokenizer, budget, list(prompt), len(prompt), chat or chat_turns(tokenizer),
                    stop_token_ids(tokenizer))
 
     # ------------------------------------------------------------------------------------------------ state

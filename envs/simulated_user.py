@@ -80,7 +80,7 @@ from typing import Any
 from astratk.contracts import Engine, Env, PromptTooLong, SamplingParams, split_tasks
 from astratk.envs.dataset import load_rows
 from astratk.envs.jsonl import records
-from astratk.envs.multiturn import Budget, ChatTurns, Conversation, encode_chat, parse_tags
+from astratk.envs.multiturn import Budget, Conversation, encode_chat, parse_tags
 from astratk.records import Task, Trajectory
 from astratk.registry import check_choice
 
@@ -296,7 +296,6 @@ class SimulatedUserEnv(Env):
         # the user replies after every agent turn but the last, plus its opening when its model writes it
         self.user_budget = Budget(max_turns=max_turns + 1, max_tokens_per_turn=user_max_tokens,
                                   max_context=max_context, max_env_tokens=max_env_tokens)
-        self._chats: dict[int, tuple[Any, ChatTurns]] = {}
         self._load()  # now: a malformed row fails at construction, not in a worker
 
     def _check_config(self) -> None:
@@ -362,11 +361,6 @@ class SimulatedUserEnv(Env):
             raise ValueError("rows: every train row is also a held-out row (same instructions and goal); no train "
                              "tasks remain")
         return heldout, [{**r, "index": i} for i, r in enumerate(train)]
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_chats"] = {}  # template probes hold tokenizers; rebuilt where the env is unpickled
-        return state
 
     def __repr__(self) -> str:
         source = "built-in" if self.rows is None else (self.rows if isinstance(self.rows, str) else
@@ -452,13 +446,6 @@ class SimulatedUserEnv(Env):
         return out
 
     # ------------------------------------------------------------------------------------------------- rollout
-    def _chat_turns(self, tokenizer: Any) -> ChatTurns:
-        """One `ChatTurns` per tokenizer: deriving it renders the chat template several times (~ms)."""
-        entry = self._chats.get(id(tokenizer))
-        if entry is None or entry[0] is not tokenizer:
-            entry = self._chats[id(tokenizer)] = (tokenizer, ChatTurns(tokenizer))
-        return entry[1]
-
     def user_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """The user's sampling: `user_temperature` (None: the run's), `user_max_tokens`, a seed of its own, and a
         stop at the stop word (the rest of such a reply is never read)."""
@@ -553,7 +540,7 @@ class _Episode:
             opening = await self._user_reply(None) or ""
         tok = self.agent_engine.tokenizer
         self.agent = Conversation.start(tok, [self.env.agent_system(self.task), {"role": "user", "content": opening}],
-                                        self.env.budget, chat=self.env._chat_turns(tok))
+                                        self.env.budget)
         if self.ended:
             return
         while True:
@@ -584,7 +571,7 @@ class _Episode:
                 messages = self.env.user_start(self.task) if agent_text is None else self.env.user_messages(
                     self.task, agent_text)
                 tok = self.user_engine.tokenizer
-                self.user = Conversation.start(tok, messages, self.env.user_budget, chat=self.env._chat_turns(tok))
+                self.user = Conversation.start(tok, messages, self.env.user_budget)
             else:
                 self.user.add_message("user", agent_text or "")
             if not self.user.can_continue:

@@ -26,7 +26,7 @@ from typing import Any
 
 from astratk.models.tools import convert_turns, prepare_messages, resolve_tool_format
 
-__all__ = ["ChatTurns", "ToolCall", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
+__all__ = ["ChatTurns", "ToolCall", "chat_turns", "encode_chat", "parse_tool_call", "parse_tool_calls", "stop_token_ids"]
 
 # Rendered prompts per tokenizer, most recent last. A group's samples start from the same messages, and rendering the
 # template plus encoding costs more than the engine's share of a short sample (measured: 15% of a rollout worker's
@@ -159,8 +159,11 @@ class ChatTurns:
 
     _PROBE = "\x07astratk-probe\x07"
 
-    def __init__(self, tokenizer: Any, tool_format: str = "auto") -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, tool_format: str = "auto", *, weak: bool = False) -> None:
+        # weak: held by a weak reference only (the process's shared cache, `chat_turns`, which must not keep a
+        # tokenizer alive); whoever uses it holds the tokenizer itself (a Conversation does)
+        self._tokenizer: Any = None if weak else tokenizer
+        self._tokenizer_ref = weakref.ref(tokenizer)
         self.tool_format = tool_format
         self._results_as_text: bool | None = None
         base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._PROBE}]
@@ -171,6 +174,13 @@ class ChatTurns:
         self._base, self.close = rendered, rendered[at + len(self._PROBE):]
         self._cache: dict[str, tuple[str, str]] = {}
         self._frames: dict[tuple[str, str, str], list[int]] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        tok = self._tokenizer if self._tokenizer is not None else self._tokenizer_ref()
+        if tok is None:
+            raise RuntimeError("ChatTurns: its tokenizer was garbage-collected; hold the tokenizer while using it")
+        return tok
 
     def _frame(self, role: str) -> tuple[str, str]:
         """(text before the message content, text after it up to and including the generation prompt)."""
@@ -234,3 +244,20 @@ class ChatTurns:
         if not self.close.startswith(produced_close):
             produced_close = ""
         return self.close[len(produced_close):] + full[len(self._base):]
+
+
+# One ChatTurns per tokenizer and tool format in a process: deriving one renders the chat template several times
+# (~ms) and its frames are cached inside it, so every env and session of a worker shares them. Weakly keyed: a
+# tokenizer that goes away takes its entry with it (an id() key could be reused by a new tokenizer).
+_turns: weakref.WeakKeyDictionary[Any, dict[str, ChatTurns]] = weakref.WeakKeyDictionary()
+
+
+def chat_turns(tokenizer: Any, tool_format: str = "auto") -> ChatTurns:
+    """The process's `ChatTurns` of `tokenizer` under `tool_format` (built on first use)."""
+    with _lock:
+        found = _turns.get(tokenizer, {}).get(tool_format)
+    if found is not None:
+        return found
+    built = ChatTurns(tokenizer, tool_format=tool_format, weak=True)  # outside the lock: it renders the template
+    with _lock:
+        return _turns.setdefault(tokenizer, {}).setdefault(tool_format, built)

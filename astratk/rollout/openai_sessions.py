@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astratk.contracts import Completion, GenerationRequest, SamplingParams
-from astratk.models.chat import ChatTurns, stop_token_ids
+from astratk.models.chat import chat_turns, stop_token_ids
 from astratk.models.tools import check_tool_format, convert_turns, prepare_messages, resolve_tool_format
 from astratk.rollout.openai_format import ChatRequest, RequestError, choice
 
@@ -96,7 +96,6 @@ class SessionCapture:
         self._sessions: dict[str, Session] = {}
         self._closed: set[str] = set()
         self._lock = threading.Lock()
-        self._turns_api: dict[int, tuple[Any, Any]] = {}
         self.stats = {"requests": 0, "errors": 0, "completion_tokens": 0, "prompt_tokens": 0, "reused_turns": 0,
                       "rendered_prompts": 0, "streamed": 0, "stream_disconnects": 0, "shed": 0, "max_inflight_seen": 0,
                       "unserved": 0}
@@ -170,10 +169,7 @@ class SessionCapture:
 
     # --------------------------------------------------------------------------------------------- prompts
     def _chat_turns(self, tok: Any) -> Any:
-        entry = self._turns_api.get(id(tok))
-        if entry is None or entry[0] is not tok:
-            entry = self._turns_api[id(tok)] = (tok, ChatTurns(tok, tool_format="template"))  # converts itself
-        return entry[1]
+        return chat_turns(tok, tool_format="template")  # the session converts its messages itself
 
     def tool_format_of(self, sess: Session, tok: Any) -> str:
         """'template' or 'hermes': how `sess`'s tools reach the model of `tok` (`astratk.models.tools`)."""

@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from astratk.contracts import Engine, Env, SamplingParams
-from astratk.envs.multiturn import Budget, ChatTurns, Conversation, parse_tags
+from astratk.envs.multiturn import Budget, Conversation, parse_tags
 from astratk.envs.search.corpus import Corpus, Passage, SyntheticCorpus
 from astratk.envs.search.index import BM25Index
 from astratk.envs.search.jsonl import JsonlCorpus
@@ -174,12 +174,11 @@ class SearchEnv(Env):
     def _reset_caches(self) -> None:
         self._data: Corpus | None = None
         self._index: BM25Index | None = None
-        self._chats: dict[int, tuple[Any, ChatTurns]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Config only: the corpus and index are rebuilt (once per process) where the env is unpickled."""
         state = dict(self.__dict__)
-        for key in ("_data", "_index", "_chats"):
+        for key in ("_data", "_index"):
             state.pop(key)
         return state
 
@@ -273,18 +272,11 @@ class SearchEnv(Env):
         return out
 
     # ------------------------------------------------------------------------------------------------- rollout
-    def _chat_turns(self, tokenizer: Any) -> ChatTurns:
-        """One `ChatTurns` per tokenizer: deriving it renders the chat template several times (~ms)."""
-        entry = self._chats.get(id(tokenizer))
-        if entry is None or entry[0] is not tokenizer:
-            entry = self._chats[id(tokenizer)] = (tokenizer, ChatTurns(tokenizer))
-        return entry[1]
-
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
         engine = engines["policy"]
         tok = engine.tokenizer
-        conv = Conversation.start(tok, self.messages(task), self.budget, chat=self._chat_turns(tok))
+        conv = Conversation.start(tok, self.messages(task), self.budget)
         _ = self.index  # built once per process, here, so that retrieval_seconds times searches only
         sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys(sampling.stop + STOP)))
         m = {"searches": 0.0, "invalid_actions": 0.0, "answered": 0.0, "turn_limit": 0.0, "retrieval_seconds": 0.0}

@@ -34,11 +34,10 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
 
 from astratk.contracts import Engine, Env, SamplingParams
 from astratk.envs.judge import read_verdict
-from astratk.envs.multiturn import Budget, ChatTurns, Conversation
+from astratk.envs.multiturn import Budget, Conversation
 from astratk.records import Task, Trajectory
 
 TEMPLATE = ("Question:\n{prompt}\n\nProposed answer:\n{completion}\n\nIs the proposed answer correct? Reply with "
@@ -86,7 +85,6 @@ class JudgedEnv(Env):
         self.parse, self.scale, self.verdicts = parse, (float(scale[0]), float(scale[1])), verdicts
         self.judge_max_tokens, self.judge_temperature = judge_max_tokens, judge_temperature
         self.budget = Budget(max_turns=1, max_context=max_context)
-        self._chat: dict[int, ChatTurns] = {}
 
     # ------------------------------------------------------------------------------------------------ tasks
     def tasks(self, split: str) -> Iterable[Task]:
@@ -120,13 +118,11 @@ class JudgedEnv(Env):
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
         policy_engine, judge_engine = engines["policy"], engines["judge"]
-        policy = Conversation.start(policy_engine.tokenizer, self.messages(task), self.budget,
-                                    chat=self._chat_for(policy_engine.tokenizer))
+        policy = Conversation.start(policy_engine.tokenizer, self.messages(task), self.budget)
         answer = (await policy.assistant_turn(policy_engine, sampling)).text
         # the ground truth, in a thread: a grader may be slow, and the episodes share this event loop
         truth = float(await asyncio.to_thread(self.base.grade, task, answer))
-        judge = Conversation.start(judge_engine.tokenizer, self.judge_messages(task, answer), self.budget,
-                                   chat=self._chat_for(judge_engine.tokenizer))
+        judge = Conversation.start(judge_engine.tokenizer, self.judge_messages(task, answer), self.budget)
         judge_sampling = SamplingParams(temperature=self.judge_temperature, max_tokens=self.judge_max_tokens,
                                         seed=None if sampling.seed is None else sampling.seed + JUDGE_SEED_SALT)
         reply = (await judge.assistant_turn(judge_engine, judge_sampling)).text
@@ -138,12 +134,6 @@ class JudgedEnv(Env):
                                   metrics=dict(metrics)),
                 judge.trajectory(task, group_id=group_id, policy_id=policy_ids["judge"], role="judge",
                                  metrics=dict(metrics))]
-
-    def _chat_for(self, tokenizer: Any) -> ChatTurns:
-        key = id(tokenizer)
-        if key not in self._chat:
-            self._chat[key] = ChatTurns(tokenizer)
-        return self._chat[key]
 
     # ------------------------------------------------------------------------------------------------ advice
     def signal_advice(self, means: Mapping[str, float]) -> list[str]:

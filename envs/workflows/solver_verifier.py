@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from astratk.contracts import Engine, Env, SamplingParams
 from astratk.envs.math.arithmetic import ArithmeticEnv
-from astratk.envs.multiturn import Budget, ChatTurns, Conversation
+from astratk.envs.multiturn import Budget, Conversation
 from astratk.records import Task, Trajectory
 
 VERDICTS = ("ACCEPT", "REJECT")  # the verifier's words for "the answer is right" and "it is wrong"
@@ -64,7 +64,6 @@ class SolverVerifierEnv(Env):
         self.verdict_words = tuple(w.strip() for w in words)
         self.retry, self.verifier_prompt, self.retry_prompt = retry, verifier_prompt, retry_prompt
         self.budget = Budget(max_turns=2 if retry else 1, max_context=max_context)
-        self._chat: dict[int, ChatTurns] = {}  # per tokenizer (id), template probes are cached
 
     # ------------------------------------------------------------------------------------------------ tasks
     def tasks(self, split: str) -> Iterable[Task]:
@@ -102,16 +101,14 @@ class SolverVerifierEnv(Env):
     async def rollout(self, task: Task, engines: Mapping[str, Engine], sampling: SamplingParams, *,
                       policy_ids: Mapping[str, str], group_id: str) -> list[Trajectory]:
         solver_engine, verifier_engine = engines["solver"], engines["verifier"]
-        solver = Conversation.start(solver_engine.tokenizer, self.messages(task), self.budget,
-                                    chat=self._chat_for(solver_engine.tokenizer))
+        solver = Conversation.start(solver_engine.tokenizer, self.messages(task), self.budget)
         first = await solver.assistant_turn(solver_engine, sampling)
         # graded in a thread: a math-verify grading may take up to its timeout, which must not stall the episodes
         # sharing this event loop
         judged_correct = await asyncio.to_thread(self.base.grade, task, first.text)
 
         verifier = Conversation.start(verifier_engine.tokenizer, self.verifier_messages(task, first.text),
-                                      Budget(max_turns=1, max_context=self.budget.max_context),
-                                      chat=self._chat_for(verifier_engine.tokenizer))
+                                      Budget(max_turns=1, max_context=self.budget.max_context))
         reply = await verifier.assistant_turn(verifier_engine, _reseeded(sampling, 104729))
         verdict = parse_verdict(reply.text, self.verdict_words)
 
@@ -128,12 +125,6 @@ class SolverVerifierEnv(Env):
             verifier.trajectory(task, group_id=group_id, policy_id=policy_ids["verifier"], role="verifier",
                                 metrics={"judged_correct": judged_correct, "verdict": verdict_code}),
         ]
-
-    def _chat_for(self, tokenizer) -> ChatTurns:
-        key = id(tokenizer)
-        if key not in self._chat:
-            self._chat[key] = ChatTurns(tokenizer)
-        return self._chat[key]
 
     # ------------------------------------------------------------------------------------------------ score
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:

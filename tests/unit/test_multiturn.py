@@ -34,6 +34,23 @@ def test_chat_turns_follow_the_template():
     assert turns.continuation("user", "Y", "").startswith("<|im_end|>\n<|im_start|>user\nY")  # cut-off turn closed
 
 
+def test_one_chat_turns_per_tokenizer_and_tool_format_is_shared_by_every_conversation():
+    import gc
+
+    from astratk.models.chat import _turns, chat_turns
+
+    tok = build_char_tokenizer()  # a tokenizer of this test's own: its entry must go with it
+    a = Conversation.start(tok, [{"role": "user", "content": "1?"}], Budget(max_turns=2))
+    b = Conversation.start(tok, [{"role": "user", "content": "2?"}], Budget(max_turns=2))
+    assert a.turns_api is b.turns_api is chat_turns(tok)  # derived once, its frames cached for every episode
+    assert chat_turns(tok, "template") is not a.turns_api and chat_turns(tok, "template").tool_format == "template"
+    assert chat_turns(TOK) is not chat_turns(tok)  # per tokenizer object, never by an id a new one could reuse
+    n = len(_turns)
+    del a, b, tok
+    gc.collect()
+    assert len(_turns) == n - 1
+
+
 def test_conversation_equals_template_rendering_and_masks_env_tokens():
     engine = ScriptedEngine(TOK, [said("<search>x</search>"), said("4")])
     msgs = [{"role": "user", "content": "2+2?"}]
