@@ -26,7 +26,8 @@ def finite_mean(xs: list[float]) -> float:
 
 
 def mismatch_figures(metrics_file: str | Path) -> dict[str, Any]:
-    """|pi - mu| (the sampled token's probability under the trainer against the engine's, mean and max over the run),
+    """|pi - mu| (the sampled token's probability under the trainer against the engine's: mean and max over the run,
+    and the first step's mean, before any staleness),
     staleness, skipped (non-finite) steps and the loss's `*_frac` metrics, from a run's metrics file."""
     from astratk.metrics import load
 
@@ -37,6 +38,8 @@ def mismatch_figures(metrics_file: str | Path) -> dict[str, Any]:
     skipped = series(ds, "train_skipped_steps")
     return {"pi_mu_abs_mean": finite_mean(mean), "pi_mu_abs_max": max(peak, default=math.nan),
             "pi_mu_abs_mean_last": mean[-1] if mean else math.nan,
+            # the first step trains on the version that sampled its batch: there |pi - mu| is the precision part
+            "pi_mu_abs_mean_first": mean[0] if mean else math.nan,
             "staleness_mean": finite_mean(series(ds, "train_staleness_mean")), "fractions": fracs,
             "skipped_steps": int(skipped[-1]) if skipped and math.isfinite(skipped[-1]) else 0}
 

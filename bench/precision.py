@@ -92,6 +92,7 @@ def run_cell(args: argparse.Namespace, mode: str, seed: int, loss: str, dtype: s
     stop = str(run["summary"].get("stop_reason") or "")
     nonfinite = run["skipped_steps"] > 0 or (bool(run["summary"].get("stopped_early")) and "diverg" in stop)
     run.update(mode=mode, loss=loss, dtype=dtype, key=cell_key(mode, seed, loss, dtype), initial=initial,
+               seconds=args.seconds,
                collapsed=collapsed(initial, accuracies, nonfinite), nonfinite=nonfinite)
     run.pop("snapshots", None)  # the curve holds what the table needs
     return run
@@ -126,6 +127,7 @@ def summarise(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "steps": _median([c["steps"] for c in cs]),
             "rollout_tokens_per_s": _median([c.get("rollout_tokens_per_s", math.nan) for c in cs]),
             "pi_mu_abs_mean": _median([c.get("pi_mu_abs_mean", math.nan) for c in cs]),
+            "pi_mu_abs_mean_first": _median([c.get("pi_mu_abs_mean_first", math.nan) for c in cs]),
             "pi_mu_abs_max": max((c.get("pi_mu_abs_max", math.nan) for c in cs), default=math.nan),
             "skipped_steps": sum(int(c.get("skipped_steps", 0)) for c in cs),
             "fractions": {k: _median([c.get("fractions", {}).get(k, math.nan) for c in cs])
@@ -170,17 +172,22 @@ def _pct(x: float) -> str:
     return "-" if not math.isfinite(x) else f"{100 * x:.1f}%"
 
 
+def _sci(x: float) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.2e}"
+
+
 def table(rows: list[dict[str, Any]], seconds: float) -> str:
     gains = [f"{round(100 * g)}" for g in GAINS]
     head = ("| mode | loss | rollouts | seeds | " + " | ".join(f"time to +{g} (median; per seed)" for g in gains)
-            + f" | accuracy at {seconds:.0f} s | best | collapses | steps | rollout tokens/s | mean / max abs(pi - mu) |")
+            + f" | accuracy at {seconds:.0f} s | best | collapses | steps | rollout tokens/s | mean / max abs(pi - mu) "
+            "| first step's mean abs(pi - mu) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         times = [f"{_fmt(r['time_to'][g])}; " + ", ".join(_fmt(t) for t in r["time_to_per_seed"][g]) for g in gains]
         out.append(f"| {r['mode']} | {r['loss']} | {r['dtype']} | {r['n']} | " + " | ".join(times)
                    + f" | {_pct(r['accuracy_at_end'])} (from {_pct(r['initial'])}) | {_pct(r['accuracy_best'])} | "
                    f"{r['collapses']}/{r['n']} | {r['steps']:.0f} | {r['rollout_tokens_per_s']:.0f} | "
-                   f"{r['pi_mu_abs_mean']:.2e} / {r['pi_mu_abs_max']:.2f} |")
+                   f"{r['pi_mu_abs_mean']:.2e} / {r['pi_mu_abs_max']:.2f} | {_sci(r['pi_mu_abs_mean_first'])} |")
     return "\n".join(out)
 
 
@@ -188,7 +195,7 @@ def report(out: Path, seconds: float | None = None) -> dict[str, Any]:
     cells = read_cells(out)
     if not cells:
         raise SystemExit(f"no cells in {out / 'cells.jsonl'} yet: run the grid first")
-    seconds = seconds or max(c["train_time_s"] for c in cells)
+    seconds = seconds or max(c.get("seconds", c["train_time_s"]) for c in cells)
     rows = summarise(cells)
     text = table(rows, seconds) + "\n\n" + "\n".join(decide(rows))
     print(text)
