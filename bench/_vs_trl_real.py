@@ -27,9 +27,13 @@ def spec_overrides(args: Any) -> list[str]:
 
 
 def adjust(spec: Any, args: Any) -> None:
-    """The bench's model settings on the parsed spec: LoRA or not (the YAML's path is kept)."""
+    """The bench's model settings on the parsed spec: LoRA or not (the YAML's path is kept), and an fp32 engine, as
+    TRL generates in fp32 here (the recipe's `bfloat16-if-native` would give astratk bf16 rollouts on a CPU with bf16
+    units); `--astratk-set rollout.engine_args...` still sets it."""
     p = spec.policies[0]
     p.model.lora = None if not args.lora else p.model.lora
+    if not any(item.startswith("rollout.engine_args") for item in getattr(args, "astratk_set", [])):
+        spec.rollout.engine_args = {**spec.rollout.engine_args, "dtype": "float32"}
 
 
 def trl_shape(spec: Any) -> dict[str, Any]:

@@ -17,8 +17,9 @@ env's first `--heldout` held-out tasks) scores them, outside the training clock 
 Per cell: time to +10 and +20 points, accuracy at the end and best, a collapse flag (non-finite steps, more than half
 of the best gain lost by the end, or 10 points below the start: bench/_run_metrics.py), |pi - mu| (mean and max over
 the run's steps), the loss's mask / clip fractions, steps, rollout tokens/s. Seeds run seed-major and the cells of a
-seed take turns, so a change in the machine's load hits every cell alike. Cells append to `--out/cells.jsonl` as
-they finish (`--resume` skips those there); then `--out/precision.json` and the markdown table.
+seed take turns, so a change in the machine's load hits every cell alike. Each cell runs in a process of its own (one
+run's memory cannot carry into the next) and appends to `--out/cells.jsonl` as it finishes (`--resume` skips those
+there); then `--out/precision.json` and the markdown table.
 
     python bench/precision.py                                    # LoRA and full, 3 losses x 2 dtypes x 3 seeds
     python bench/precision.py --modes lora --seconds 180         # LoRA only
@@ -33,6 +34,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -225,6 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--report", action="store_true", help="print the table of --out's cells and exit")
     ap.add_argument("--quick", action="store_true", help="smoke: LoRA, DRPO, both dtypes, 1 seed, a few seconds")
     ap.add_argument("--verbose", action="store_true", help="show each run's own output")
+    ap.add_argument("--one-cell", default=None, help=argparse.SUPPRESS)  # mode:loss:dtype:seed, in a child process
+    ap.add_argument("--initial", default=None, help=argparse.SUPPRESS)  # the starting accuracy, for --one-cell
     args = ap.parse_args(argv)
     if args.quick:
         args.modes, args.losses, args.seeds, args.seconds, args.eval_every = "lora", "drpo", 1, 45.0, 20.0
@@ -242,6 +246,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def evaluator(args: argparse.Namespace, mode: str) -> Any:
+    """The fp32 evaluation every snapshot of `mode`'s cells is scored by (the starting model's weights loaded)."""
+    import torch
+
+    from astratk.models.cache import ensure_model
+
+    bench_args = argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=args.seconds,
+                                    astratk_set=[], poll_s=0.2, verbose=args.verbose)
+    with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
+        spec = astratk_spec(bench_args, Path(tmp))
+    with torch_threads(1):
+        model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
+    threads, new_tokens = torch.get_num_threads(), spec.rollout.max_new_tokens
+    return (_vs_trl_real.LoraHeldOut(model_dir, spec.env, args.heldout, threads, new_tokens) if mode == "lora" else
+            _vs_trl_real.full_heldout(model_dir, spec.env, args.heldout, threads, new_tokens))
+
+
+def one_cell(args: argparse.Namespace) -> None:
+    """`--one-cell mode:loss:dtype:seed`: run it, append it to --out/cells.jsonl, print its line."""
+    mode, loss, dtype, seed = args.one_cell.split(":")
+    evaluate, initial = evaluator(args, mode), float(args.initial)
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
+        run = run_cell(args, mode, int(seed), loss, dtype, evaluate, initial, Path(tmp))
+    with (args.out / "cells.jsonl").open("a") as f:
+        f.write(json.dumps(run, default=float) + "\n")
+    flag = " COLLAPSED" if run["collapsed"] else ""
+    print(f"[{run['key']}] {run['steps']} steps, {100 * initial:.1f}% -> "
+          f"{100 * run['accuracy_at_end']:.1f}% (best {100 * run['accuracy_best']:.1f}%)"
+          + "".join(f", +{g} at {_fmt(_t(v))}" for g, v in run["time_to"].items())
+          + f"; |pi - mu| {run['pi_mu_abs_mean']:.2e} mean, {run['pi_mu_abs_max']:.2f} max, first step "
+          f"{_sci(run['pi_mu_abs_mean_first'])}; {run['rollout_tokens_per_s']:.0f} rollout tokens/s{flag}; "
+          f"{time.perf_counter() - t:.0f} s with set-up and evaluation", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     _vs_trl_report.GAINS = GAINS  # the time-to rows `figures` computes: +10 and +20 points
@@ -249,10 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         report(args.out)
         return
-    import torch
-
+    if args.one_cell:
+        one_cell(args)
+        return
     from astratk.cpu import has_bf16_units
-    from astratk.models.cache import ensure_model
 
     if "bfloat16" in args.dtype_list and not has_bf16_units():
         print("note: this CPU has no bf16 units (AMX / AVX512-BF16): bf16 rollouts run slower than fp32 here, so "
@@ -260,38 +299,24 @@ def main(argv: list[str] | None = None) -> None:
     done = {c["key"] for c in read_cells(args.out)} if args.resume else set()
     if not args.resume:
         (args.out / "cells.jsonl").unlink(missing_ok=True)
-    threads = torch.get_num_threads()
-    with tempfile.TemporaryDirectory(prefix="precision-") as tmp_name:
-        tmp = Path(tmp_name)
-        for mode in args.mode_list:
-            cells = [c for c in grid(args) if c[0] == mode and cell_key(*c) not in done]
-            if not cells:
-                continue
-            bench_args = argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=args.seconds,
-                                            astratk_set=[], poll_s=0.2, verbose=args.verbose)
-            spec = astratk_spec(bench_args, tmp)
-            with torch_threads(1):
-                model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
-            new_tokens = spec.rollout.max_new_tokens
-            evaluate = (_vs_trl_real.LoraHeldOut(model_dir, spec.env, args.heldout, threads, new_tokens)
-                        if mode == "lora" else
-                        _vs_trl_real.full_heldout(model_dir, spec.env, args.heldout, threads, new_tokens))
-            initial = evaluate(evaluate.initial_state)
-            print(f"{mode}: initial held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; {len(cells)} "
-                  f"cells of {args.seconds:g} s", flush=True)
-            for cell in cells:
-                t = time.perf_counter()
-                run = run_cell(args, *cell, evaluate, initial, tmp)
-                with (args.out / "cells.jsonl").open("a") as f:
-                    f.write(json.dumps(run, default=float) + "\n")
-                flag = " COLLAPSED" if run["collapsed"] else ""
-                print(f"[{run['key']}] {run['steps']} steps, {100 * initial:.1f}% -> "
-                      f"{100 * run['accuracy_at_end']:.1f}% (best {100 * run['accuracy_best']:.1f}%)"
-                      + "".join(f", +{g} at {_fmt(_t(v))}" for g, v in run["time_to"].items())
-                      + f"; |pi - mu| {run['pi_mu_abs_mean']:.2e} mean, {run['pi_mu_abs_max']:.2f} max; "
-                      f"{run['rollout_tokens_per_s']:.0f} rollout tokens/s{flag}; "
-                      f"{time.perf_counter() - t:.0f} s with set-up and evaluation", flush=True)
-            del evaluate
+    for mode in args.mode_list:
+        cells = [c for c in grid(args) if c[0] == mode and cell_key(*c) not in done]
+        if not cells:
+            continue
+        evaluate = evaluator(args, mode)
+        initial = evaluate(evaluate.initial_state)
+        del evaluate
+        print(f"{mode}: initial held-out accuracy {100 * initial:.1f}% on {args.heldout} tasks; {len(cells)} "
+              f"cells of {args.seconds:g} s", flush=True)
+        for cell in cells:
+            # each cell in a process of its own: one run's memory cannot carry into the next, and a cell that dies
+            # (the kernel's OOM killer) costs that cell only; --resume reruns it
+            cmd = [sys.executable, __file__, "--one-cell", cell_key(*cell), "--initial", repr(initial),
+                   "--seconds", str(args.seconds), "--eval-every", str(args.eval_every), "--heldout",
+                   str(args.heldout), "--out", str(args.out), *(["--verbose"] if args.verbose else [])]
+            proc = subprocess.run(cmd, check=False)
+            if proc.returncode != 0:
+                print(f"[{cell_key(*cell)}] failed (exit {proc.returncode}); --resume runs it again", flush=True)
     report(args.out, args.seconds)
 
 
