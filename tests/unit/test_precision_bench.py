@@ -88,3 +88,20 @@ def test_the_table_medians_per_seed_times_and_the_decision():
     cells[3]["collapsed"] = True
     (decision,) = precision.decide(precision.summarise(cells))
     assert "collapses bf16 1/3" in decision and decision.endswith("fp32 rollouts stay")
+
+
+def test_the_trl_comparison_keeps_astratk_in_fp32_unless_asked(tmp_path):
+    """tutorial 09's recipe samples in bf16 where the CPU has bf16 units; bench/vs_trl.py compares against TRL's fp32
+    generation, so its astratk side stays fp32 unless `--astratk-set rollout.engine_args...` says otherwise."""
+    import yaml
+
+    recipe = yaml.safe_load((precision.ROOT / "tutorials" / "real_model.yaml").read_text())
+    assert recipe["rollout"]["engine_args"]["dtype"] == "bfloat16-if-native"
+    astratk_spec = bench_module("_vs_trl_astratk").astratk_spec
+
+    def spec(*sets):
+        return astratk_spec(argparse.Namespace(model="smollm2", lora=True, task="sums", seconds=30.0,
+                                               astratk_set=list(sets)), tmp_path)
+
+    assert spec().rollout.engine_args["dtype"] == "float32"
+    assert spec("rollout.engine_args={dtype: bfloat16}").rollout.engine_args["dtype"] == "bfloat16"
