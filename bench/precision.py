@@ -67,12 +67,17 @@ def cell_key(mode: str, seed: int, loss: str, dtype: str) -> str:
     return f"{mode}:{loss}:{dtype}:{seed}"
 
 
-def cell_spec(args: argparse.Namespace, bench_args: argparse.Namespace, mode: str, seed: int, loss: str, dtype: str,
-              tmp: Path) -> Any:
+def vs_trl_args(args: argparse.Namespace, mode: str) -> argparse.Namespace:
+    """The settings bench/vs_trl.py's astratk side reads (its `--model smollm2`, LoRA or full, this bench's budget)."""
+    return argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=args.seconds,
+                              astratk_set=[], poll_s=0.2, verbose=args.verbose)
+
+
+def cell_spec(args: argparse.Namespace, mode: str, seed: int, loss: str, dtype: str, tmp: Path) -> Any:
     """Tutorial 09's spec as bench/vs_trl.py runs it, with the cell's loss, rollout dtype, lr and seed."""
     from astratk.registry import resolve
 
-    spec = astratk_spec(bench_args, tmp, MODES[mode], seed, name=f"precision-{mode}-{loss}-{dtype}-s{seed}")
+    spec = astratk_spec(vs_trl_args(args, mode), tmp, MODES[mode], seed, name=f"precision-{mode}-{loss}-{dtype}-s{seed}")
     p = spec.policies[0]
     p.loss = resolve("loss", LOSSES[loss])()
     p.trainer.precision = "32-true"  # the trainer computes log pi in float32 in every cell
@@ -84,9 +89,8 @@ def cell_spec(args: argparse.Namespace, bench_args: argparse.Namespace, mode: st
 
 def run_cell(args: argparse.Namespace, mode: str, seed: int, loss: str, dtype: str, evaluate: Any, initial: float,
              tmp: Path) -> dict[str, Any]:
-    bench_args = argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=args.seconds,
-                                    astratk_set=[], poll_s=0.2, verbose=args.verbose)
-    spec = cell_spec(args, bench_args, mode, seed, loss, dtype, tmp)
+    bench_args = vs_trl_args(args, mode)
+    spec = cell_spec(args, mode, seed, loss, dtype, tmp)
     marks = marks_for(args.seconds, args.eval_every)
     run = run_astratk(bench_args, MODES[mode], seed, marks, tmp, evaluate, initial, spec=spec)
     run |= _vs_trl_report.figures(run, initial, args.seconds)
@@ -252,10 +256,8 @@ def evaluator(args: argparse.Namespace, mode: str) -> Any:
 
     from astratk.models.cache import ensure_model
 
-    bench_args = argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=args.seconds,
-                                    astratk_set=[], poll_s=0.2, verbose=args.verbose)
     with tempfile.TemporaryDirectory(prefix="precision-") as tmp:
-        spec = astratk_spec(bench_args, Path(tmp))
+        spec = astratk_spec(vs_trl_args(args, mode), Path(tmp))
     with torch_threads(1):
         model_dir = ensure_model(spec.policies[0].model, spec.env, log=lambda s: print(f"  {s}"))
     threads, new_tokens = torch.get_num_threads(), spec.rollout.max_new_tokens

@@ -41,10 +41,8 @@ def test_bad_grid_arguments_are_refused_naming_the_flag(flag, capsys):
 @pytest.mark.parametrize(("mode", "loss", "dtype"), [("lora", "dppo", "bfloat16"), ("full", "ppo_clip", "float32"),
                                                      ("full", "drpo", "bfloat16")])
 def test_a_cell_sets_its_loss_and_engine_dtype_and_keeps_the_trainer_fp32(tmp_path, mode, loss, dtype):
-    args = precision.parse_args([])
-    bench_args = argparse.Namespace(model="smollm2", lora=mode == "lora", task="sums", seconds=30.0, astratk_set=[],
-                                    poll_s=0.2, verbose=False)
-    spec = precision.cell_spec(args, bench_args, mode, 1, loss, dtype, tmp_path)
+    args = precision.parse_args(["--seconds", "30"])
+    spec = precision.cell_spec(args, mode, 1, loss, dtype, tmp_path)
     p = spec.policies[0]
     assert type(p.loss).__name__.lower().replace("_", "").startswith(
         {"drpo": "drpo", "dppo": "dppo", "ppo_clip": "ppoclip"}[loss]), type(p.loss)
