@@ -22,7 +22,11 @@ A step's batch is assembled once, cached, and sharded `groups[rank::world_size]`
 every retry of the same (policy, step) sees the same groups.
 
 Back-pressure: the server says how many new leases would fill every policy's `prefetch_steps` worth
-(`lease_room`); a policy whose trainer is not consuming keeps at most 4x that (oldest dropped,
+(`lease_room`), or what its trainer's remaining steps still need when that is less: a run near its
+`max_steps` does not roll out groups no step will train on (they would take the cores from the last
+steps and hold the final evaluation back behind a chunk nobody needs). A trainer that asks for a step
+past `max_steps` (a Lightning CLI `--trainer.max_steps` above the spec's) lifts that bound for its
+policy. A policy whose trainer is not consuming keeps at most 4x its prefetch (oldest dropped,
 counted `groups_dropped_overflow`).
 """
 
@@ -57,6 +61,9 @@ class PolicyServing:
     order: ServingOrder
     replay: Replay | None = None
     mixing: Mixing | None = None
+    # the trainer's max_steps: leasing stops once the groups its remaining steps need are buffered or in
+    # flight; None: no bound (lifted when a step past it is asked for)
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.prefetch_groups < self.groups_per_step:
@@ -133,8 +140,16 @@ class BatchServer:
         data the most to its prefetch target. While any policy wants data: one whose trainer waits
         (slower, or held by the barrier) must not starve the others, which would deadlock the
         barrier; its surplus is capped instead."""
-        return max(p.prefetch_groups - len(self._cap_buffer(pid))
-                   for pid, p in self.policies.items())
+        return max(self.wanted(pid) - len(self._cap_buffer(pid)) for pid in self.policies)
+
+    def wanted(self, policy_id: str) -> int:
+        """Groups the policy's buffer should hold (buffered plus in flight): its prefetch target, or
+        the fresh groups its trainer's remaining steps need when that is less (0 once every step up
+        to `max_steps` has been served)."""
+        p = self.policies[policy_id]
+        if p.max_steps is None:
+            return p.prefetch_groups
+        return min(p.prefetch_groups, max(0, p.max_steps - self._served[policy_id]) * p.fresh_needed())
 
     def round_short(self, policy_id: str) -> int:
         """Synchronous mode: fresh groups the policy's next step still lacks."""
@@ -178,6 +193,10 @@ class BatchServer:
         if key not in self._batches:
             groups = self._assemble(policy_id, step)
             if groups is None:
+                limit = self.policies[policy_id].max_steps
+                if limit is not None and step >= limit:  # its trainer runs longer than the spec said
+                    self.policies[policy_id].max_steps = None
+                    self.counts[f"data/{policy_id}/max_steps_lifted"] += 1
                 return None
             self._batches[key] = groups
             self._served[policy_id] = max(self._served[policy_id], step + 1)
@@ -273,6 +292,7 @@ class BatchServer:
                 "batches": [(pid, step, list(groups)) for (pid, step), groups in batches],
                 "versions": dict(self._versions), "served": dict(self._served),
                 "refs": dict(self._refs), "paused": self.paused, "counts": dict(self.counts),
+                "max_steps": {pid: s.max_steps for pid, s in self.policies.items()},
                 "drops": self.drops.state_dict(),
                 "stages": {pid: {k: st.state_dict() for k, st in s.stages().items()}
                            for pid, s in self.policies.items()}}
@@ -286,6 +306,9 @@ class BatchServer:
                                     for pid, step, groups in state["batches"])
         self._versions = dict(state["versions"])
         self._served = dict(state["served"])
+        for pid, limit in state.get("max_steps", {}).items():  # a bound lifted before the snapshot stays lifted
+            if limit is None:
+                self.policies[pid].max_steps = None
         self._refs = dict(state["refs"])
         self.paused = bool(state["paused"])
         self.counts = Counter(state["counts"])

@@ -379,5 +379,6 @@ def _policy_serving(spec: RunSpec, p: PolicySpec) -> PolicyServing:
                          final_version=t.max_steps // t.publish_every,
                          prefetch_groups=int(d.prefetch_steps * t.groups_per_step),
                          staleness=Staleness(bound, d.lag_decay), order=copy.deepcopy(d.order),
-                         replay=copy.deepcopy(d.replay), mixing=copy.deepcopy(d.mixing))
+                         replay=copy.deepcopy(d.replay), mixing=copy.deepcopy(d.mixing),
+                         max_steps=t.max_steps)
 

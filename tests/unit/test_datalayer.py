@@ -150,6 +150,28 @@ def test_queued_reissue_is_dropped_once_the_original_is_admitted():
     assert dl.metrics()["data/leases_waiting_reissue"] == 0
 
 
+def test_leasing_stops_at_what_the_last_steps_need_and_a_longer_trainer_reopens_it():
+    # max_steps 2 x 2 groups: 4 tasks in all, though the prefetch (4 steps) would allow 8
+    spec = RunSpec(policies=[PolicySpec(trainer=TrainerSpec(groups_per_step=2, max_steps=2))],
+                   dataflow=DataflowSpec(lease_timeout_s=10.0, prefetch_steps=4))
+    dl = DataLayer(spec, clock=Clock())
+    first = dl.lease(8)
+    assert len(first) == 4 and dl.lease(8) == []
+    admit_all(dl, first[:1], rewards=(1.0, 1.0))  # a group without signal is dropped: its task is rolled out anew
+    admit_all(dl, first[1:])
+    [again] = dl.lease(8)
+    admit_all(dl, [again])
+    assert len(dl.next_batch("main", 0)) == 2 and dl.lease(8) == []  # step 1's two groups are buffered
+    assert len(dl.next_batch("main", 1)) == 2 and dl.lease(8) == []
+    # a trainer told to run longer (the Lightning CLI's --trainer.max_steps) asks for step 2: leasing resumes, and
+    # stays open in a copy restored from the data layer's state
+    assert dl.next_batch("main", 2) is None
+    assert len(dl.lease(8)) == 8 and dl.metrics()["data/main/max_steps_lifted"] == 1
+    restored = DataLayer(spec, clock=Clock())
+    restored.load_state_dict(pickle.loads(pickle.dumps(dl.state_dict())))
+    assert restored._server.wanted("main") == 8
+
+
 def test_trajectory_metrics_are_averaged_per_policy_and_role():
     import dataclasses
 

@@ -164,6 +164,7 @@ class DataLayerMachine(RuleBasedStateMachine):
         # lease id -> admissions that the layer accepted
         self.admitted: dict[str, int] = {}
         self.served_fresh: set[str] = set()
+        self.leased: set[str] = set()  # lease ids handed out (a re-issue keeps its id)
         # (layer state, model state) at the last snapshot
         self.saved: tuple[bytes, bytes] | None = None
 
@@ -184,8 +185,19 @@ class DataLayerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 4))
     def lease(self, n: int) -> None:
         versions = self.dl.versions()
-        for lease in self.both("lease", n):
+        for lease in self.leases(n):
             self.running.append(Rollout(lease, dict(versions)))
+
+    def leases(self, n: int) -> list[Lease]:
+        """`lease(n)` on both copies; once every trainer has run its last step, only re-issues (no task
+        is rolled out for steps that will never come)."""
+        done = all(self._finished(pid) for pid in self.trainers)
+        out = self.both("lease", n)
+        for lease in out:
+            assert not done or lease.lease_id in self.leased, (
+                f"new task {lease.lease_id} leased after every trainer ran its last step")
+            self.leased.add(lease.lease_id)
+        return out
 
     @rule(dt=st.sampled_from([0.5, 4.0, 10.5]))
     def tick(self, dt: float) -> None:
@@ -217,14 +229,14 @@ class DataLayerMachine(RuleBasedStateMachine):
         """A task whose every attempt outlives its lease until the lease is dropped; then one
         attempt's result arrives (the first, or the last)."""
         versions = self.dl.versions()
-        leases = self.both("lease", 1)
+        leases = self.leases(1)
         if not leases:
             return
         attempts = [Rollout(leases[0], dict(versions))]
         self.running += [Rollout(lease, dict(versions)) for lease in leases[1:]]
         for _ in range(self.c["max_task_attempts"]):
             self.clock.now += 10.5
-            for lease in self.both("lease", 1):
+            for lease in self.leases(1):
                 r = Rollout(lease, self.dl.versions())
                 (attempts if lease.lease_id == leases[0].lease_id else self.running).append(r)
         r = attempts[0] if first else attempts[-1]
@@ -245,7 +257,7 @@ class DataLayerMachine(RuleBasedStateMachine):
         """The common path: tasks leased, rolled out and admitted at once (one without signal when
         `flat`)."""
         versions = self.dl.versions()
-        for i, lease in enumerate(self.both("lease", n)):
+        for i, lease in enumerate(self.leases(n)):
             rewards = (1.0, 1.0) if flat and i == 0 else (1.0, 0.0)
             out = self.both("admit", lease.lease_id, _groups(lease, versions, rewards, False))
             self._count_admission(lease.lease_id, out.status)
