@@ -190,6 +190,12 @@ class Env(abc.ABC):
         lines join the generic advice of the starvation line and `astratk probe`, first. None by default."""
         return []
 
+    def heldout_metrics(self, episodes: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+        """Figures over a whole held-out evaluation beyond each role's mean score (a verifier's balanced accuracy,
+        which a mean cannot give): `episodes` holds each greedy held-out episode's trajectories, scored (`reward`
+        set; an episode that timed out is empty). Reported with the evaluation under these names. None by default."""
+        return {}
+
     def grade(self, task: Task, text: str) -> float:
         """Reward of one completion text, for envs whose score is a pure function of the text."""
         raise NotImplementedError(f"env {self.name!r} has no text grader")

@@ -86,6 +86,11 @@ RULES: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("suffix", "_frac", {"units": "fraction"}),
     ("suffix", "_fraction", {"units": "fraction"}),
     ("prefix", "eval_accuracy", {"description": "greedy held-out accuracy of one role", "units": "fraction"}),
+    ("prefix", "eval_balanced_accuracy_", {"description": "held-out balanced accuracy of a judging role (the mean "
+                                           "over the classes of what it judged of the share it judged right)",
+                                           "units": "fraction"}),
+    ("prefix", "eval_verdict_accept_rate", {"description": "held-out share of a judging role's verdicts that "
+                                            "accepted", "units": "fraction"}),
     ("prefix", "eval_pass_at_", {"description": "held-out pass@k (a task passes if any of k samples scores >= 1)",
                                  "units": "fraction"}),
     ("prefix", "eval_sampled_accuracy", {"description": "held-out mean@k: the mean score of k samples at the rollout "

@@ -447,8 +447,10 @@ class RolloutService:
 
         by_role: dict[str, list[float]] = {role: [] for role in self.env.roles}
         by_env: dict[str, list[float]] = {}
+        scored_episodes: list[list[Trajectory]] = []  # for the env's own figures over the whole evaluation
         for task, trajs in zip(tasks, episodes, strict=True):
             scores = score(task, trajs)
+            scored_episodes.append([dataclasses.replace(t, reward=sc) for t, sc in zip(trajs, scores, strict=True)])
             for role in self.env.roles:  # an unscorable episode counts as 0 (evaluation must not drop tasks)
                 mine = [sc for sc, t in zip(scores, trajs, strict=True) if t.role == role and sc is not None]
                 by_role[role].append(sum(mine) / len(mine) if mine else 0.0)
@@ -479,6 +481,7 @@ class RolloutService:
         if len(by_env) > 1:
             out.update({f"accuracy_env_{env}": sum(v) / max(1, len(v)) for env, v in by_env.items()})
         out.update({f"version_{pid}": float(v) for pid, v in synced.items()})
+        out.update({k: float(v) for k, v in self.env.heldout_metrics(scored_episodes).items()})
         return {"version": float(version), "accuracy": sum(rewards) / max(1, len(rewards)),
                 "n": float(len(rewards)), "seconds": time.perf_counter() - start, "published_at": published_at,
                 "episodes_timed_out": float(lost["timed_out"]), "episodes_too_long": float(lost["too_long"]), **out}

@@ -243,7 +243,8 @@ def per_policy(records: list[dict[str, float]], spec: Any) -> dict[str, list[dic
                 continue
             mine = [r[f"accuracy_{role}"] for role in p.roles if f"accuracy_{role}" in r]
             acc = sum(mine) / len(mine) if mine and len(p.roles) < len(roles) else r.get("accuracy", float("nan"))
-            others = {f"accuracy_{role}" for role in roles if role not in p.roles} if len(p.roles) < len(roles) else set()
+            others = {f"{kind}accuracy_{role}" for role in roles if role not in p.roles
+                      for kind in ("", "balanced_")} if len(p.roles) < len(roles) else set()
             rows.append({**{k: v for k, v in r.items() if k not in others},  # its own roles' accuracies only
                          "version": float(r.get(f"version_{p.policy_id}", r["version"])), "accuracy": acc})
         out[p.policy_id] = sorted(rows, key=lambda x: (x["version"], x["evaluated_at"]))

@@ -81,7 +81,10 @@ class LiveMetrics:
             return
         versions = ", ".join(f"{p.policy_id} v{int(r.get(f'version_{p.policy_id}', -1))}"
                              for p in self.spec.policies)
-        roles = "  ".join(f"{role} {r[f'accuracy_{role}']:.3f}" for role in self.spec.env.roles
+        roles = "  ".join(f"{role} {r[f'accuracy_{role}']:.3f}"
+                          + (f" (balanced {r[f'balanced_accuracy_{role}']:.3f})" if f"balanced_accuracy_{role}" in r
+                             else "")
+                          for role in self.spec.env.roles
                           if f"accuracy_{role}" in r) or f"accuracy {r['accuracy']:.3f}"
         self.print(f"held-out ({versions}): {roles} on {int(r['n'])} tasks{when}")
 

@@ -6,6 +6,15 @@ the solver retries once with the verifier's reply in its context (a second turn 
 reply is appended with loss mask 0). Rewards: solver 1 if its final answer is correct, else 0;
 verifier 1 if its verdict matches the truth of the answer it judged (a reply with neither word is wrong).
 
+Class balance (`verifier_reward: balanced`): while the solver is weak most answers are wrong, so a verifier that
+says "no" to everything is right most of the time, and plain verdict accuracy rewards exactly that. Balanced, a
+right verdict on an answer of class c (right or wrong) earns n / (K n_c) in a group of n judged answers, n_c of class
+c, K classes present: the group's verifier rewards then average to its balanced accuracy (the mean over the classes
+of the share judged right), so "no" to everything averages 1/2 wherever both classes occur, and a right "yes" on the
+rarer right answer weighs what the many right "no"s weigh together. A group of one class, or one episode, is scored
+1/0 as before. The held-out evaluation reports `balanced_accuracy_verifier` (and `verdict_accept_rate`) beside the
+plain accuracy either way.
+
 Roles are `solver` and `verifier`; which policy plays each is configuration (`PolicySpec.roles`), so one shared policy
 or two separate ones run the same code. The judged answer's truth is graded during the rollout (the base env's
 `grade`, in a thread off the event loop: a math-verify grading can take up to its timeout) and carried in the verifier
@@ -49,7 +58,8 @@ class SolverVerifierEnv(Env):
 
     def __init__(self, base: Env | None = None, retry: bool = True, verifier_prompt: str = "Check: {problem} "
                  "Answer: {answer} Reply ACCEPT or REJECT.", retry_prompt: str = "{verdict} Try again.",
-                 max_context: int = 256, verdict_words: Sequence[str] = VERDICTS) -> None:
+                 max_context: int = 256, verdict_words: Sequence[str] = VERDICTS,
+                 verifier_reward: str = "accuracy") -> None:
         self.base = base if base is not None else ArithmeticEnv()
         for method in ("messages", "grade"):
             if not callable(getattr(self.base, method, None)):
@@ -62,6 +72,10 @@ class SolverVerifierEnv(Env):
             raise ValueError(f"verdict_words must be two different words (accept's, reject's), e.g. "
                              f"['yes', 'no'], got {verdict_words!r}")
         self.verdict_words = tuple(w.strip() for w in words)
+        if verifier_reward not in ("accuracy", "balanced"):
+            raise ValueError(f"verifier_reward must be 'accuracy' (1 for a right verdict) or 'balanced' (right verdicts "
+                             f"weighted so each class of answer counts alike), got {verifier_reward!r}")
+        self.verifier_reward = verifier_reward
         self.retry, self.verifier_prompt, self.retry_prompt = retry, verifier_prompt, retry_prompt
         self.budget = Budget(max_turns=2 if retry else 1, max_context=max_context)
 
@@ -129,17 +143,45 @@ class SolverVerifierEnv(Env):
     # ------------------------------------------------------------------------------------------------ score
     def score(self, task: Task, trajectories: Sequence[Trajectory]) -> list[float | None]:
         """Solver: its final answer graded by the base env. Verifier: 1 when its accept word (ACCEPT) met a correct
-        answer or its reject word (REJECT) a wrong one (`judged_correct`, graded during the rollout), 0 otherwise, including replies with no verdict."""
+        answer or its reject word (REJECT) a wrong one (`judged_correct`, graded during the rollout), 0 otherwise,
+        including replies with no verdict; `balanced` weighs the 1s by class (module docstring)."""
         out: list[float | None] = []
+        weights = self._class_weights(trajectories)
         for t in trajectories:
             if t.role == "solver":
                 out.append(self.base.grade(task, t.text))
             elif t.role == "verifier":
                 verdict, truth = t.metrics.get("verdict", -1.0), t.metrics.get("judged_correct")
-                out.append(None if truth is None else float(verdict >= 0 and verdict == truth))
+                out.append(None if truth is None else
+                           float(verdict >= 0 and verdict == truth) * weights.get(float(truth), 1.0))
             else:
                 raise ValueError(f"{self.name}: unknown role {t.role!r} in trajectory {t.group_id}")
         return out
+
+    def _class_weights(self, trajectories: Sequence[Trajectory]) -> dict[float, float]:
+        """`balanced`: truth (1.0 right, 0.0 wrong) -> n / (K n_c) over the verifier trajectories judged (module
+        docstring); {} (weight 1) for `accuracy` or a group of one class."""
+        if self.verifier_reward != "balanced":
+            return {}
+        truths = [float(t.metrics["judged_correct"]) for t in trajectories
+                  if t.role == "verifier" and t.metrics.get("judged_correct") is not None]
+        classes = {c: truths.count(c) for c in set(truths)}
+        if len(classes) < 2:
+            return {}
+        return {c: len(truths) / (len(classes) * n) for c, n in classes.items()}
+
+    def heldout_metrics(self, episodes: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+        """The verifier's balanced accuracy over the held-out episodes (the mean, over right and wrong answers, of
+        the share it judged right: 0.5 for "no" to everything, whatever the solver's accuracy) and the share of its
+        verdicts that accepted."""
+        judged = [(t.metrics.get("verdict", -1.0), t.metrics["judged_correct"]) for ep in episodes for t in ep
+                  if t.role == "verifier" and t.metrics.get("judged_correct") is not None]
+        if not judged:
+            return {}
+        recalls = [sum(v == c for v, _ in mine) / len(mine)
+                   for c in (0.0, 1.0) if (mine := [(v, tr) for v, tr in judged if tr == c])]
+        return {"balanced_accuracy_verifier": sum(recalls) / len(recalls),
+                "verdict_accept_rate": sum(v == 1.0 for v, _ in judged) / len(judged)}
 
 
 def _reseeded(sampling: SamplingParams, salt: int) -> SamplingParams:

@@ -184,3 +184,53 @@ def test_latex_answers_over_a_jsonl_base_graded_off_the_event_loop(tmp_path):
         base.grader.close()
     rollout_grades = graded_in[::2]  # each case: one grading in the rollout, then the solver's in score()
     assert len(graded_in) == 6 and not any(on_loop for _, on_loop in rollout_grades), graded_in
+
+
+def _judged(env, task, answers: list[str], verdicts: list[str]):
+    """One group: an episode per (first answer, verdict); the verifier trajectories' scores."""
+    trajs = []
+    for answer, verdict in zip(answers, verdicts, strict=True):
+        solver, verifier = episode(env, scripted(answer, verdict, answer), task)
+        trajs += [solver, verifier]
+    return [sc for sc, t in zip(env.score(task, trajs), trajs, strict=True) if t.role == "verifier"]
+
+
+def test_balanced_verifier_rewards_average_to_the_groups_balanced_accuracy(task):
+    env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8), verifier_reward="balanced")
+    right = task.info["answer"]
+    wrong = str(int(right) + 1)
+    answers = [right] * 2 + [wrong] * 6
+    # "no" to everything: right 6 times of 8, yet its rewards average 1/2 (every wrong answer caught, no right one)
+    always_no = _judged(env, task, answers, ["REJECT"] * 8)
+    assert always_no == [0.0, 0.0] + [pytest.approx(8 / 12)] * 6 and sum(always_no) / 8 == pytest.approx(0.5)
+    # a right "yes" on the rarer right answer weighs 8 / (2 * 2) = 2; all right averages 1
+    perfect = _judged(env, task, answers, ["ACCEPT"] * 2 + ["REJECT"] * 6)
+    assert perfect == [2.0, 2.0] + [pytest.approx(8 / 12)] * 6 and sum(perfect) / 8 == pytest.approx(1.0)
+    # one class in the group, or one episode (the held-out evaluation scores episodes one by one): plain 1 / 0
+    assert _judged(env, task, [wrong] * 3, ["REJECT", "ACCEPT", "REJECT"]) == [1.0, 0.0, 1.0]
+    assert _judged(env, task, [right], ["ACCEPT"]) == [1.0]
+    # the default stays plain accuracy
+    plain = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
+    assert _judged(plain, task, answers, ["REJECT"] * 8) == [0.0, 0.0] + [1.0] * 6
+    with pytest.raises(ValueError, match="verifier_reward must be 'accuracy'"):
+        SolverVerifierEnv(verifier_reward="balance")
+
+
+def test_the_evaluation_reports_the_verifiers_balanced_accuracy(tmp_path):
+    """Through the rollout service's held-out evaluation: a verifier that rejects everything is right on the 7 of 8
+    tasks whose answer ("0") is wrong, and its balanced accuracy says 1/2."""
+    from astratk.records import RunContext
+    from astratk.rollout.service import RolloutService
+    from astratk.spec import PolicySpec, RolloutSpec, RunSpec
+
+    env = SolverVerifierEnv(ArithmeticEnv(levels=[1], n_heldout=8))
+    tasks = list(env.tasks("heldout"))
+    spec = RunSpec(env=env, policies=[PolicySpec(roles=["solver", "verifier"])],
+                   rollout=RolloutSpec(engine="scripted", group_size=3, max_new_tokens=8)).validate()
+    service = RolloutService(RunContext("sv", spec, {"main": None}, f"memory://sv-eval-{tmp_path.name}"))
+    answer = tasks[0].info["answer"]  # right for the first task only (unless others share it)
+    service._engines[("eval", "main")] = scripted(answer, "REJECT", answer)
+    r = service.evaluate("main", None, 8)
+    right = sum(t.info["answer"] == answer for t in tasks)
+    assert r["accuracy_verifier"] == pytest.approx((8 - right) / 8) and r["verdict_accept_rate"] == 0.0
+    assert r["balanced_accuracy_verifier"] == pytest.approx(0.5)
