@@ -54,7 +54,7 @@ def test_a_framework_agent_trains_a_few_steps(name, tmp_path):
     env = AgentEnv(price_lookup.rows(400, seed=0), _agent(name), price_lookup.reward, heldout=8,
                    demonstrations=price_lookup.demonstrations)
     spec = RunSpec(name=f"agent-{name}", output_dir=str(tmp_path / "runs"), env=env, policies=[PolicySpec(
-        model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=60, warm_start_batch=32, warm_start_target=None)),
+        model=ModelSpec(tiny=TinyModelSpec(warm_start_steps=30, warm_start_batch=32, warm_start_target=None)),
         trainer=TrainerSpec(max_steps=2, groups_per_step=2, lr=1e-4, checkpoint_every=None))],
         rollout=RolloutSpec(group_size=4, max_new_tokens=48, tasks_per_chunk=2),
         dataflow={"filter_zero_variance": False}, eval=EvalSpec(interval_s=600, max_tasks=8), progress=False)
