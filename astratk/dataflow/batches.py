@@ -152,8 +152,10 @@ class BatchServer:
         return min(p.prefetch_groups, max(0, p.max_steps - self._served[policy_id]) * p.fresh_needed())
 
     def round_short(self, policy_id: str) -> int:
-        """Synchronous mode: fresh groups the policy's next step still lacks."""
-        return self.policies[policy_id].fresh_needed() - len(self._drop_stale(policy_id))
+        """Synchronous mode: fresh groups the policy's next step still lacks (none once its last step is
+        served, as `wanted` says for leasing)."""
+        need = min(self.policies[policy_id].fresh_needed(), self.wanted(policy_id))
+        return need - len(self._drop_stale(policy_id))
 
     def all_published(self) -> bool:
         """Synchronous mode: every policy has published the version of every batch served so far."""
